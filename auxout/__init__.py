@@ -1,0 +1,1 @@
+"""auxout: routed-experts capture, storage and replay for MoE RL."""

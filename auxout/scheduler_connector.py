@@ -1,0 +1,169 @@
+"""Scheduler side (control plane): what the worker must know each step, and no payloads.
+
+Each step it sends the emit start of every scheduled request, only the block hashes the worker
+has not seen (also for tracked requests that were not scheduled), and each terminal event
+(finish, abort, preemption) exactly once. It clips the worker's rows to the range the scheduler
+accepted, ``[token_start, num_tokens - 1)``: the last sampled token is never fed through the
+model, so it has no route. ``reset()`` bumps the generation after a prefix-cache reset so
+routes computed with old weights can never be served.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Protocol
+
+import numpy as np
+
+from auxout.errors import InvariantError, RequestValidationError, RoutesUnavailableError
+from auxout.keys import PackedHashes
+from auxout.metadata import NO_EMIT, StepMetadata, StepOutput
+
+
+class SchedRequest(Protocol):
+    """What the connector reads from an engine request (vLLM's ``Request`` fits as is)."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def num_output_tokens(self) -> int: ...
+    @property
+    def block_hashes(self) -> Sequence[bytes]: ...
+
+
+def validate_prompt_start(prompt_start: object, prompt_len: int) -> int:
+    """``0 <= prompt_start <= prompt_len`` (equal returns an empty first chunk); else a clear error."""
+    field = "routed_experts_prompt_start"
+    if isinstance(prompt_start, bool) or not isinstance(prompt_start, int | np.integer):
+        raise RequestValidationError(field, prompt_start, f"must be an integer, not {type(prompt_start).__name__}")
+    value = int(prompt_start)
+    if value < 0:
+        raise RequestValidationError(field, value, "must be non-negative")
+    if value > prompt_len:
+        raise RequestValidationError(field, value, f"must not exceed the prompt length {prompt_len}")
+    return value
+
+
+class SchedulerConnector:
+    """Payload-free control plane of one engine."""
+
+    def __init__(self, *, default_return: bool = True) -> None:
+        self.generation = 0
+        self.default_return = default_return
+        self._sent: dict[str, int] = {}  # hashes the worker has, per request it tracks
+        self._finished: dict[str, PackedHashes | None] = {}  # terminal events not yet delivered
+        self._options: dict[str, tuple[int, bool]] = {}  # prompt_start, return_routes
+
+    def add_request(
+        self, request_id: str, prompt_len: int, prompt_start: object = 0, return_routes: object = None
+    ) -> None:
+        """Validate a request's route options at admission; raises ``RequestValidationError``."""
+        start = validate_prompt_start(prompt_start, prompt_len)
+        if return_routes is None:
+            ret = self.default_return
+        elif isinstance(return_routes, bool):
+            ret = return_routes
+        else:
+            raise RequestValidationError("return_routed_experts", return_routes, "must be a boolean")
+        self._options[request_id] = (start, ret)
+
+    def returns_routes(self, request_id: str) -> bool:
+        return self._options.get(request_id, (0, self.default_return))[1]
+
+    def build_metadata(self, scheduled_ids: Iterable[str], requests: Mapping[str, SchedRequest]) -> StepMetadata:
+        """Metadata for one step; call after scheduling, with every live request in ``requests``."""
+        sent = self._sent
+        options = self._options
+        default = (0, self.default_return)
+        emit: dict[str, int] = {}
+        hashes: dict[str, PackedHashes] = {}
+        for rid in scheduled_ids:
+            req = requests[rid]
+            n = sent.get(rid, 0)
+            bh = req.block_hashes
+            nb = len(bh)
+            if nb > n:
+                hashes[rid] = PackedHashes.pack(bh[n:])
+            elif nb < n:
+                raise InvariantError(f"KV block-hash history of request {rid!r} shrank from {n} to {nb}")
+            sent[rid] = nb
+            start, ret = options.get(rid, default)
+            if not ret:
+                emit[rid] = NO_EMIT
+            else:
+                emit[rid] = start if req.num_output_tokens == 0 else max(start, req.num_tokens - 1)
+        if len(sent) != len(emit):  # hash-only updates for tracked requests not scheduled this step
+            for rid, n in sent.items():
+                if rid in emit:
+                    continue
+                bh = requests[rid].block_hashes
+                if len(bh) > n:
+                    hashes[rid] = PackedHashes.pack(bh[n:])
+                    sent[rid] = len(bh)
+        finished = tuple(self._finished)
+        for rid, pack in self._finished.items():
+            if pack is not None:
+                hashes[rid] = pack
+        self._finished = {}
+        return StepMetadata(self.generation, emit, hashes, finished)
+
+    def request_finished(self, request: SchedRequest, *, preempted: bool = False) -> None:
+        """Terminal event on preemption, finish or abort; call before the KV blocks are freed."""
+        rid = request.request_id
+        if not preempted:
+            self._options.pop(rid, None)
+        n = self._sent.pop(rid, None)
+        if n is None:
+            return  # never announced to the worker, or already terminated
+        bh = request.block_hashes
+        if len(bh) < n:
+            raise InvariantError(f"KV block-hash history of request {rid!r} shrank from {n} to {len(bh)}")
+        self._finished[rid] = PackedHashes.pack(bh[n:]) if len(bh) > n else None
+
+    def take_output(
+        self, output: StepOutput | None, request: SchedRequest, *, finished: bool = False
+    ) -> np.ndarray | None:
+        """This step's accepted rows for a request that emitted tokens (None if opted out).
+
+        Raises ``RoutesUnavailableError`` for this request alone when its routes could not be
+        assembled (e.g. a prefix block was evicted): fail the request, not the engine.
+        """
+        rid = request.request_id
+        if not self.returns_routes(rid):
+            return None
+        if output is None:
+            raise InvariantError(f"worker output is missing for request {rid!r}: no step output")
+        err = output.errors.get(rid)
+        if err is not None:
+            raise RoutesUnavailableError(rid, err)
+        i = output.index(rid)
+        if i < 0:
+            raise InvariantError(f"worker output is missing request {rid!r}")
+        token_start = int(output.token_starts[i])
+        lo, hi = int(output.lo[i]), int(output.hi[i])
+        local_end = request.num_tokens - 1 - token_start
+        if local_end < 0:
+            if finished:
+                raise InvariantError(
+                    f"finished request {rid!r} has no accepted token range: token_end={request.num_tokens - 1}, "
+                    f"output=[{token_start}, {token_start + hi - lo})"
+                )
+            return None
+        if local_end > hi - lo:
+            raise InvariantError(
+                f"worker output has an invalid token range for request {rid!r}: accepted end "
+                f"{request.num_tokens - 1}, rows cover [{token_start}, {token_start + hi - lo})"
+            )
+        return output.rows[lo : lo + local_end]
+
+    def reset(self) -> None:
+        """After a successful prefix-cache reset: new generation, everything re-sent."""
+        self.generation += 1
+        self._sent.clear()
+        self._finished.clear()
+
+    def forget(self, request_id: str) -> None:
+        """Drop a request that was rejected before it was ever scheduled."""
+        self._options.pop(request_id, None)

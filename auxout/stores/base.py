@@ -1,0 +1,60 @@
+"""The one small protocol every route store implements.
+
+Objects are immutable byte strings of at most ``object_nbytes`` (one hash block of routes,
+or a shorter boundary piece); the first write of a key wins. ``retain``/``release`` carry
+per-request reference counts for stores that evict locally; external stores ignore them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Protocol, runtime_checkable
+
+from auxout.errors import ObjectMissingError
+
+Buffer = bytes | bytearray | memoryview
+StoreObject = tuple[str, Buffer]
+
+
+@runtime_checkable
+class BlockStore(Protocol):
+    """Minimal store contract used by the worker connector and by ``auxout.fetch``."""
+
+    object_nbytes: int
+
+    def put(
+        self,
+        objects: Sequence[StoreObject],
+        *,
+        retain: Iterable[str] = (),
+        release: Iterable[str] = (),
+    ) -> None:
+        """Apply retains, then releases, then write ``objects`` (first write wins)."""
+        ...
+
+    def get_concatenated(self, keys: Sequence[str]) -> bytes:
+        """Payloads of ``keys`` in order, concatenated; raises ``ObjectMissingError`` on any miss."""
+        ...
+
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is readable now."""
+        ...
+
+    def close(self) -> None:
+        """Release resources; idempotent. Later calls raise ``StoreClosedError``."""
+        ...
+
+
+def check_payload(key: str, payload: Buffer, object_nbytes: int) -> memoryview:
+    """Validate one object payload; returns it as a flat byte view."""
+    view = memoryview(payload).cast("B") if not isinstance(payload, memoryview) else payload.cast("B")
+    if not 0 < view.nbytes <= object_nbytes:
+        raise ValueError(f"object {key!r} has {view.nbytes} bytes; expected 1..{object_nbytes}")
+    return view
+
+
+def raise_missing(keys: Sequence[str], present: Sequence[bool], detail: str = "") -> None:
+    """Raise ``ObjectMissingError`` naming every absent key (no-op if all present)."""
+    missing = [k for k, ok in zip(keys, present) if not ok]
+    if missing:
+        raise ObjectMissingError(missing, detail)

@@ -1,0 +1,538 @@
+"""Worker side (data plane): turns each step's captured rows into per-request route chunks.
+
+Per step the engine calls ``begin_step(metadata)``, runs the forward (capture fills one rows
+array for the whole batch), calls ``prepare_output(...)`` and, once the step's sampled and
+rejected counts are known, ``process_output(...)``. The connector
+
+- drops rows of rejected speculative tokens and re-attaches rows of a step that was scheduled
+  optimistically on top of rejected drafts,
+- stages incomplete tail blocks and complete-but-unkeyed blocks in a bounded pool, and
+  publishes complete keyed blocks to the store (the whole batch before any read),
+- emits every request's not-yet-emitted rows from its own emit cursor, reading cached prefix
+  blocks back from the store,
+- defers the teardown of finished requests while step outputs covering them are in flight.
+
+Per-request state lives in numpy arrays indexed by an integer *slot* (one slot per request
+incarnation), so the per-step bookkeeping is a handful of vectorized calls, not a Python loop
+over requests. A request finished while an output is in flight and then announced again gets a
+new slot; the in-flight step still refers to the old one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from auxout.errors import BlockStoreError, InvariantError
+from auxout.keys import KeySpace
+from auxout.metadata import StepMetadata, StepOutput
+from auxout.profile import RouteProfile
+from auxout.staging import StagingPool, staging_pool_blocks
+from auxout.stores.base import BlockStore
+
+_I64 = np.int64
+
+
+@dataclass(slots=True)
+class PendingStep:
+    """One executed step whose output has not been processed yet (explicit handles only)."""
+
+    seq: int
+    req_ids: list[str]
+    slots: np.ndarray
+    token_starts: np.ndarray
+    query_start_loc: np.ndarray
+    rows: np.ndarray
+
+
+def _excl_cumsum(counts: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(counts), dtype=_I64)
+    if len(counts) > 1:
+        np.cumsum(counts[:-1], out=out[1:])
+    return out
+
+
+def _ranges(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Flattened ``(segment index, offset)`` for segments ``[starts[i], starts[i]+counts[i])``."""
+    total = int(counts.sum())
+    seg = np.repeat(np.arange(len(counts), dtype=_I64), counts)
+    off = np.arange(total, dtype=_I64) - np.repeat(_excl_cumsum(counts), counts)
+    return seg, off
+
+
+class WorkerConnector:
+    """Data plane of one engine (on the output rank only)."""
+
+    def __init__(
+        self,
+        profile: RouteProfile,
+        *,
+        block_size: int,
+        store: BlockStore,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_concurrent_batches: int = 1,
+        keyspace: KeySpace | None = None,
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size!r}")
+        if max_concurrent_batches <= 0:
+            raise ValueError(f"max_concurrent_batches must be positive, got {max_concurrent_batches!r}")
+        expected = profile.block_nbytes(block_size)
+        if store.object_nbytes < expected:
+            raise ValueError(
+                f"store object_nbytes={store.object_nbytes} is smaller than one hash block of routes "
+                f"({block_size} tokens × {profile.token_nbytes} B = {expected} B)"
+            )
+        self.profile = profile
+        self.block_size = block_size
+        self.store = store
+        self.keyspace = keyspace or KeySpace()
+        self.max_concurrent_batches = max_concurrent_batches
+        self.generation = 0
+        self.pool = StagingPool(
+            profile,
+            block_size,
+            staging_pool_blocks(
+                block_size=block_size,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_concurrent_batches=max_concurrent_batches,
+            ),
+        )
+        self._slot_of: dict[str, int] = {}
+        self._alloc_slots(max(8, 2 * max_num_seqs))
+        self._pending_steps: list[PendingStep] = []
+        self._step_ready = False
+        self._seq = 0
+        self._closed = False
+
+    # -- per-slot state ---------------------------------------------------------------------
+    def _alloc_slots(self, n: int) -> None:
+        self._capture = np.full(n, -1, dtype=_I64)  # next position expected from capture; -1 = none yet
+        self._sched = np.zeros(n, dtype=_I64)  # end of the last executed (scheduled) range
+        self._emit = np.zeros(n, dtype=_I64)  # first position not emitted yet
+        self._inflight = np.zeros(n, dtype=_I64)  # unprocessed step outputs covering the slot
+        self._finished = np.zeros(n, dtype=bool)
+        self._tail = np.full(n, -1, dtype=_I64)  # pool slot of the incomplete tail block
+        self._keys: list[list[str]] = [[] for _ in range(n)]
+        self._staged: list[dict[int, int]] = [{} for _ in range(n)]  # block index -> pool slot (unkeyed)
+        self._rid: list[str] = [""] * n
+        self._free_slots = list(range(n - 1, -1, -1))
+
+    def _grow_slots(self) -> None:
+        old = len(self._capture)
+        n = old * 2
+        for name, fill in (("_capture", -1), ("_sched", 0), ("_emit", 0), ("_inflight", 0), ("_tail", -1)):
+            arr = getattr(self, name)
+            new = np.full(n, fill, dtype=arr.dtype)
+            new[:old] = arr
+            setattr(self, name, new)
+        fin = np.zeros(n, dtype=bool)
+        fin[:old] = self._finished
+        self._finished = fin
+        self._keys += [[] for _ in range(n - old)]
+        self._staged += [{} for _ in range(n - old)]
+        self._rid += [""] * (n - old)
+        self._free_slots = list(range(n - 1, old - 1, -1)) + self._free_slots
+
+    def _new_slot(self, rid: str, emit_start: int) -> int:
+        if not self._free_slots:
+            self._grow_slots()
+        s = self._free_slots.pop()
+        self._capture[s] = -1
+        self._sched[s] = 0
+        self._emit[s] = emit_start
+        self._inflight[s] = 0
+        self._finished[s] = False
+        self._tail[s] = -1
+        self._keys[s] = []
+        self._staged[s] = {}
+        self._rid[s] = rid
+        self._slot_of[rid] = s
+        return s
+
+    def _teardown(self, slots: Sequence[int]) -> list[str]:
+        """Free slots; returns their keys in release order (each chain tail-first)."""
+        release: list[str] = []
+        pool_free: list[int] = []
+        for s in slots:
+            release.extend(reversed(self._keys[s]))
+            pool_free.extend(self._staged[s].values())
+            if self._tail[s] >= 0:
+                pool_free.append(int(self._tail[s]))
+            self._keys[s] = []
+            self._staged[s] = {}
+            self._tail[s] = -1
+            self._finished[s] = False
+            self._free_slots.append(s)
+        if pool_free:
+            self.pool.free(pool_free)
+        return release
+
+    # -- step API ---------------------------------------------------------------------------
+    def begin_step(self, meta: StepMetadata | None) -> None:
+        """Apply one step's metadata; ``None`` marks an internal (warm-up/dummy) step."""
+        self._check_open()
+        self._step_ready = meta is not None
+        if meta is None:
+            return
+        both = meta.requests.keys() & set(meta.finished)
+        if both:
+            raise InvariantError(f"request(s) {sorted(both)} cannot run and finish in one step")
+        if meta.generation < self.generation:
+            raise InvariantError(
+                f"metadata generation moved backwards: {meta.generation} < {self.generation}"
+            )
+        release: list[str] = []
+        if meta.generation > self.generation:
+            if self._pending_steps:
+                raise InvariantError(
+                    f"generation changed to {meta.generation} with {len(self._pending_steps)} step output(s) "
+                    "in flight; reset the prefix cache only when no model output is pending"
+                )
+            release = self._teardown(list(self._slot_of.values()))
+            self._slot_of.clear()
+            self.pool.reset()
+            self._tail[:] = -1
+            self.generation = meta.generation
+        slot_of = self._slot_of
+        for rid, emit_start in meta.requests.items():
+            s = slot_of.get(rid)
+            if s is None:
+                self._new_slot(rid, emit_start)
+            elif self._inflight[s] == 0 and emit_start > self._emit[s]:
+                raise InvariantError(
+                    f"scheduler emit cursor moved ahead of the worker for request {rid!r}: "
+                    f"emit_start={emit_start}, worker emitted up to {int(self._emit[s])}"
+                )
+        retain: list[str] = []
+        keyed: list[int] = []
+        for rid, packed in meta.block_hashes.items():
+            s = slot_of.get(rid)
+            if s is None:
+                raise InvariantError(f"block hashes for request {rid!r} which the worker does not track")
+            ks = self.keyspace.keys(packed, self.generation)
+            self._keys[s].extend(ks)
+            retain.extend(ks)
+            if self._staged[s]:
+                keyed.append(s)
+        done: list[int] = []
+        for rid in meta.finished:
+            s = slot_of.pop(rid, None)
+            if s is None:
+                raise InvariantError(f"terminal event for request {rid!r} which the worker does not track")
+            self._finished[s] = True
+            if self._inflight[s] == 0:
+                done.append(s)
+        objects, pool_slots = self._collect_staged(keyed)
+        if done:
+            release.extend(self._release_order(done))
+        if objects or retain or release:
+            self.store.put(objects, retain=retain, release=release)
+        if pool_slots:
+            self.pool.free(pool_slots)
+        if done:
+            self._teardown(done)
+
+    def _release_order(self, slots: Sequence[int]) -> list[str]:
+        out: list[str] = []
+        for s in slots:
+            out.extend(reversed(self._keys[s]))
+        return out
+
+    def _collect_staged(self, slots: Sequence[int]) -> tuple[list[tuple[str, memoryview]], list[int]]:
+        """Objects for staged blocks that now have keys (one copy out of the pool)."""
+        keys: list[str] = []
+        pool_slots: list[int] = []
+        for s in slots:
+            staged = self._staged[s]
+            nkeys = len(self._keys[s])
+            for b in [b for b in staged if b < nkeys]:
+                keys.append(self._keys[s][b])
+                pool_slots.append(staged.pop(b))
+        if not keys:
+            return [], []
+        return self._objects_from_pool(keys, pool_slots), pool_slots
+
+    def _objects_from_pool(self, keys: list[str], pool_slots: list[int]) -> list[tuple[str, memoryview]]:
+        blob = memoryview(self.pool.blocks[np.asarray(pool_slots, dtype=_I64)].tobytes())
+        n = self.profile.block_nbytes(self.block_size)
+        return [(k, blob[i * n : (i + 1) * n]) for i, k in enumerate(keys)]
+
+    def prepare_output(
+        self,
+        req_ids: Sequence[str],
+        token_starts: Sequence[int] | np.ndarray,
+        query_start_loc: Sequence[int] | np.ndarray,
+        rows: np.ndarray,
+    ) -> PendingStep | None:
+        """Register one executed step. ``rows`` must be a snapshot the engine never mutates again.
+
+        ``token_starts[i]`` is request i's computed-token count before the step (as scheduled);
+        its rows are ``rows[query_start_loc[i]:query_start_loc[i+1]]``. Trailing padding entries
+        of ``query_start_loc`` (CUDA-graph padding) are ignored.
+        """
+        self._check_open()
+        if not self._step_ready:
+            return None
+        if len(self._pending_steps) >= self.max_concurrent_batches:
+            raise InvariantError(
+                f"step outputs are not consumed in order: {len(self._pending_steps)} unprocessed, "
+                f"limit max_concurrent_batches={self.max_concurrent_batches}"
+            )
+        n = len(req_ids)
+        qsl = np.array(query_start_loc[: n + 1], dtype=_I64)
+        ts = np.array(token_starts[:n], dtype=_I64)
+        if len(qsl) != n + 1 or len(ts) != n:
+            raise InvariantError(f"step of {n} requests needs {n + 1} query_start_loc and {n} token_starts")
+        prof = self.profile
+        if rows.dtype != prof.dtype or rows.shape[1:] != prof.shape_per_token or rows.ndim != 3:
+            raise InvariantError(
+                f"captured rows profile changed: got {rows.dtype}{list(rows.shape[1:])}, "
+                f"expected {prof.dtype}{list(prof.shape_per_token)}"
+            )
+        if n and int(qsl[-1]) > len(rows):
+            raise InvariantError(f"step claims {int(qsl[-1])} rows but the snapshot has {len(rows)}")
+        slot_of = self._slot_of
+        try:
+            slots = np.fromiter((slot_of[r] for r in req_ids), dtype=_I64, count=n)
+        except KeyError as exc:
+            raise InvariantError(f"request {exc.args[0]!r} executed but was never announced in metadata") from None
+        if not rows.flags.c_contiguous:
+            rows = np.ascontiguousarray(rows)
+        self._inflight[slots] += 1
+        step = PendingStep(self._seq, list(req_ids), slots, ts, qsl, rows)
+        self._seq += 1
+        self._pending_steps.append(step)
+        return step
+
+    def process_output(
+        self,
+        pending: PendingStep,
+        num_sampled: Sequence[int] | np.ndarray,
+        num_rejected: Sequence[int] | np.ndarray | None = None,
+    ) -> StepOutput:
+        """Commit one step (strictly in step order) and return what each request emits."""
+        self._check_open()
+        if not self._pending_steps or self._pending_steps[0] is not pending:
+            raise InvariantError("step outputs must be processed in the order they were prepared")
+        n = len(pending.req_ids)
+        try:
+            sampled = np.asarray(num_sampled, dtype=_I64)[:n]
+            rejected = np.zeros(n, dtype=_I64) if num_rejected is None else np.asarray(num_rejected, dtype=_I64)[:n]
+            if len(sampled) != n or len(rejected) != n:
+                raise InvariantError(f"step of {n} requests needs {n} sampled and rejected counts")
+            return self._commit(pending, sampled, rejected)
+        finally:
+            self._pending_steps.pop(0)
+            slots = pending.slots
+            self._inflight[slots] -= 1
+            done = [int(s) for s in slots[(self._inflight[slots] == 0) & self._finished[slots]]]
+            if done:
+                release = self._release_order(done)
+                self.store.put([], release=release)
+                self._teardown(done)
+
+    # -- the heart of the data plane ----------------------------------------------------------
+    def _commit(self, p: PendingStep, sampled: np.ndarray, rejected: np.ndarray) -> StepOutput:
+        bs = self.block_size
+        slots, rows, ts = p.slots, p.rows, p.token_starts
+        qs, qe = p.query_start_loc[:-1], p.query_start_loc[1:]
+        n_exec = qe - qs
+        self._check_rows(p, n_exec, rejected)
+        kept = n_exec - rejected
+
+        cur = self._capture[slots]
+        fresh = cur < 0
+        cur = np.where(fresh, ts, cur)
+        back = ts < cur
+        if back.any():
+            i = int(np.argmax(back))
+            raise InvariantError(
+                f"capture moved backwards for request {p.req_ids[i]!r}: step starts at {int(ts[i])}, "
+                f"rows up to {int(cur[i])} were already captured"
+            )
+        gap = ts > cur
+        if gap.any():
+            unbacked = gap & (cur >= self._sched[slots])
+            if unbacked.any():
+                i = int(np.argmax(unbacked))
+                raise InvariantError(
+                    f"capture has an unbacked token gap for request {p.req_ids[i]!r}: step starts at "
+                    f"{int(ts[i])}, capture cursor {int(cur[i])} is not inside a rejected draft range"
+                )
+        cap = np.where(gap, cur, ts)  # re-attach rows of an optimistic schedule at the real cursor
+        unaligned = fresh & (cap % bs != 0)
+        if unaligned.any():
+            i = int(np.argmax(unaligned))
+            raise InvariantError(
+                f"capture is not contiguous for request {p.req_ids[i]!r}: first rows start at {int(cap[i])}, "
+                f"which is not a multiple of the hash block size {bs}"
+            )
+        end = cap + kept
+        self._capture[slots] = end
+        self._sched[slots] = ts + n_exec
+
+        # -- staging: continue open tails, pass full blocks through, open new tails ------------
+        head_blk = cap // bs
+        has_head = cap % bs != 0
+        head_end = (head_blk + 1) * bs
+        head_done = has_head & (end >= head_end)
+        first_full = np.where(has_head, head_blk + 1, head_blk)
+        stop_full = end // bs
+        trail = (end % bs != 0) & (stop_full >= first_full)
+        old_tail = self._tail[slots]
+        if (has_head & (old_tail < 0)).any():
+            raise InvariantError("open tail block lost its staging slot")
+        trail_idx = np.flatnonzero(trail)
+        new_tail = self.pool.alloc(len(trail_idx))
+        hidx = np.flatnonzero(has_head)
+        hcount = np.minimum(end[hidx], head_end[hidx]) - cap[hidx]
+        tcount = end[trail_idx] % bs
+        seg_src = np.concatenate([qs[hidx], qs[trail_idx] + (end[trail_idx] - tcount - cap[trail_idx])])
+        seg_cnt = np.concatenate([hcount, tcount])
+        seg_slot = np.concatenate([old_tail[hidx], new_tail])
+        seg_local = np.concatenate([cap[hidx] % bs, np.zeros(len(trail_idx), dtype=_I64)])
+        if len(seg_cnt):
+            seg, off = _ranges(seg_src, seg_cnt)
+            self.pool.blocks[seg_slot[seg], seg_local[seg] + off] = rows[seg_src[seg] + off]
+        tail = old_tail.copy()
+        tail[head_done] = -1
+        tail[trail_idx] = new_tail
+        self._tail[slots] = tail
+
+        # -- publish complete keyed blocks (whole batch, before any read) ----------------------
+        objects: list[tuple[str, memoryview]] = []
+        pool_keys: list[str] = []
+        pool_pub: list[int] = []
+        stage_views: list[tuple[int, int, int]] = []  # (slot, block index, row start in `rows`)
+        nbytes = self.profile.block_nbytes(bs)
+        flat = memoryview(rows).cast("B") if len(rows) else None
+        for i in np.flatnonzero(head_done | (stop_full > first_full)).tolist():
+            s = int(slots[i])
+            keys = self._keys[s]
+            nkeys = len(keys)
+            if head_done[i]:
+                b = int(head_blk[i])
+                if b < nkeys:
+                    pool_keys.append(keys[b])
+                    pool_pub.append(int(old_tail[i]))
+                else:
+                    self._staged[s][b] = int(old_tail[i])
+            b0, b1 = int(first_full[i]), int(stop_full[i])
+            base = int(qs[i]) - int(cap[i])
+            for b in range(b0, b1):
+                start = base + b * bs
+                if b < nkeys:
+                    assert flat is not None
+                    objects.append((keys[b], flat[start * self.profile.token_nbytes : start * self.profile.token_nbytes + nbytes]))
+                else:
+                    stage_views.append((s, b, start))
+        if stage_views:
+            dst = self.pool.alloc(len(stage_views))
+            src = np.array([v[2] for v in stage_views], dtype=_I64)
+            self.pool.blocks[dst] = rows[src[:, None] + np.arange(bs, dtype=_I64)]
+            for (s, b, _), d in zip(stage_views, dst.tolist()):
+                self._staged[s][b] = d
+        if pool_pub:
+            objects.extend(self._objects_from_pool(pool_keys, pool_pub))
+        if objects:
+            self.store.put(objects)
+        if pool_pub:
+            self.pool.free(pool_pub)
+
+        # -- emit from each request's own cursor -------------------------------------------------
+        emit = self._emit[slots]
+        do_emit = (sampled > 0) & (emit <= end)
+        lo = np.full(len(slots), -1, dtype=_I64)
+        hi = np.full(len(slots), -1, dtype=_I64)
+        fast = do_emit & (emit >= cap)
+        lo[fast] = qs[fast] + (emit[fast] - cap[fast])
+        hi[fast] = qs[fast] + kept[fast]
+        self._emit[slots[do_emit]] = end[do_emit]
+        out_rows = rows
+        errors: dict[str, str] = {}
+        slow = np.flatnonzero(do_emit & (emit < cap))
+        if len(slow):
+            extra: list[np.ndarray] = []
+            offset = len(rows)
+            for i in slow.tolist():
+                rid = p.req_ids[i]
+                try:
+                    before = self._read(int(slots[i]), int(emit[i]), int(cap[i]))
+                except BlockStoreError as exc:
+                    errors[rid] = f"{type(exc).__name__}: {exc}"
+                    continue
+                mine = rows[int(qs[i]) : int(qs[i] + kept[i])]
+                lo[i] = offset
+                hi[i] = offset + len(before) + len(mine)
+                offset = int(hi[i])
+                extra += [before, mine]
+            if extra:
+                out_rows = np.concatenate([rows, *extra])
+        return StepOutput(list(p.req_ids), emit.copy(), lo, hi, out_rows, errors)
+
+    def _check_rows(self, p: PendingStep, n_exec: np.ndarray, rejected: np.ndarray) -> None:
+        bad = n_exec <= 0
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise InvariantError(f"request {p.req_ids[i]!r} executed {int(n_exec[i])} tokens; must be positive")
+        bad = (rejected < 0) | (rejected > n_exec)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise InvariantError(
+                f"rejected-token count {int(rejected[i])} is invalid for request {p.req_ids[i]!r} "
+                f"which executed {int(n_exec[i])} tokens"
+            )
+
+    def _read(self, s: int, t0: int, t1: int) -> np.ndarray:
+        """Rows ``[t0, t1)`` of slot ``s`` captured in earlier steps: store first, then staging."""
+        bs = self.block_size
+        keys = self._keys[s]
+        parts: list[np.ndarray] = []
+        stored_end = min(t1, min(len(keys), self._capture[s] // bs) * bs)
+        if t0 < stored_end:
+            b0, b1 = t0 // bs, -(-stored_end // bs)
+            blob = self.store.get_concatenated(keys[b0:b1])
+            arr = np.frombuffer(blob, dtype=self.profile.dtype).reshape(-1, *self.profile.shape_per_token)
+            if len(arr) != (b1 - b0) * bs:
+                raise BlockStoreError(f"store returned {len(arr)} rows for {b1 - b0} blocks of {bs}")
+            parts.append(arr[t0 - b0 * bs : stored_end - b0 * bs])
+            t0 = stored_end
+        tail_blk = int(self._capture[s]) // bs if self._tail[s] >= 0 else -1
+        while t0 < t1:
+            b = t0 // bs
+            slot = self._staged[s].get(b, -1)
+            if slot < 0 and b == tail_blk:
+                slot = int(self._tail[s])
+            if slot < 0:
+                raise InvariantError(f"rows [{t0}, {t1}) of request {self._rid[s]!r} are neither stored nor staged")
+            hi = min(t1, (b + 1) * bs)
+            parts.append(self.pool.blocks[slot, t0 - b * bs : hi - b * bs])
+            t0 = hi
+        if not parts:
+            return self.profile.empty(0)
+        return np.concatenate(parts)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvariantError("worker connector is closed")
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._pending_steps)
+
+    def tracked_requests(self) -> list[str]:
+        return list(self._slot_of)
+
+    def close(self) -> None:
+        """Drop in-flight outputs and close the store (re-raises a recorded writer failure)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pending_steps.clear()
+        self.store.close()
