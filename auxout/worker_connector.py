@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from auxout.errors import BlockStoreError, InvariantError
+from auxout.errors import BlockStoreError, InvariantError, StoreCapacityError
 from auxout.keys import KeySpace
 from auxout.metadata import StepMetadata, StepOutput
 from auxout.profile import RouteProfile
@@ -108,6 +108,7 @@ class WorkerConnector:
         self._step_ready = False
         self._seq = 0
         self._closed = False
+        self.dropped_batches = 0  # publications the store rejected for capacity (reads then fail closed)
 
     # -- per-slot state ---------------------------------------------------------------------
     def _alloc_slots(self, n: int) -> None:
@@ -117,6 +118,8 @@ class WorkerConnector:
         self._inflight = np.zeros(n, dtype=_I64)  # unprocessed step outputs covering the slot
         self._finished = np.zeros(n, dtype=bool)
         self._tail = np.full(n, -1, dtype=_I64)  # pool slot of the incomplete tail block
+        self._nkeys = np.zeros(n, dtype=_I64)  # len(self._keys[s])
+        self._pinned = np.zeros(n, dtype=_I64)  # leading keys this slot holds a store reference on
         self._keys: list[list[str]] = [[] for _ in range(n)]
         self._staged: list[dict[int, int]] = [{} for _ in range(n)]  # block index -> pool slot (unkeyed)
         self._rid: list[str] = [""] * n
@@ -125,7 +128,9 @@ class WorkerConnector:
     def _grow_slots(self) -> None:
         old = len(self._capture)
         n = old * 2
-        for name, fill in (("_capture", -1), ("_sched", 0), ("_emit", 0), ("_inflight", 0), ("_tail", -1)):
+        for name, fill in (
+            ("_capture", -1), ("_sched", 0), ("_emit", 0), ("_inflight", 0), ("_tail", -1), ("_nkeys", 0), ("_pinned", 0)
+        ):
             arr = getattr(self, name)
             new = np.full(n, fill, dtype=arr.dtype)
             new[:old] = arr
@@ -148,6 +153,8 @@ class WorkerConnector:
         self._inflight[s] = 0
         self._finished[s] = False
         self._tail[s] = -1
+        self._nkeys[s] = 0
+        self._pinned[s] = 0
         self._keys[s] = []
         self._staged[s] = {}
         self._rid[s] = rid
@@ -159,11 +166,13 @@ class WorkerConnector:
         release: list[str] = []
         pool_free: list[int] = []
         for s in slots:
-            release.extend(reversed(self._keys[s]))
+            release.extend(reversed(self._keys[s][: self._pinned[s]]))
             pool_free.extend(self._staged[s].values())
             if self._tail[s] >= 0:
                 pool_free.append(int(self._tail[s]))
             self._keys[s] = []
+            self._nkeys[s] = 0
+            self._pinned[s] = 0
             self._staged[s] = {}
             self._tail[s] = -1
             self._finished[s] = False
@@ -214,9 +223,9 @@ class WorkerConnector:
             s = slot_of.get(rid)
             if s is None:
                 raise InvariantError(f"block hashes for request {rid!r} which the worker does not track")
-            ks = self.keyspace.keys(packed, self.generation)
-            self._keys[s].extend(ks)
-            retain.extend(ks)
+            self._keys[s].extend(self.keyspace.keys(packed, self.generation))
+            self._nkeys[s] = len(self._keys[s])
+            self._sync_pins(s, retain, release)
             if self._staged[s]:
                 keyed.append(s)
         done: list[int] = []
@@ -231,17 +240,42 @@ class WorkerConnector:
         if done:
             release.extend(self._release_order(done))
         if objects or retain or release:
-            self.store.put(objects, retain=retain, release=release)
+            self._put(objects, retain, release)
         if pool_slots:
             self.pool.free(pool_slots)
         if done:
             self._teardown(done)
 
+    def _put(self, objects: list[tuple[str, memoryview]], retain: Sequence[str], release: Sequence[str]) -> None:
+        """Publish; a batch the store cannot fit is dropped whole (its keys then read as missing)."""
+        try:
+            self.store.put(objects, retain=retain, release=release)
+        except StoreCapacityError:
+            self.dropped_batches += 1
+
     def _release_order(self, slots: Sequence[int]) -> list[str]:
         out: list[str] = []
         for s in slots:
-            out.extend(reversed(self._keys[s]))
+            out.extend(reversed(self._keys[s][: self._pinned[s]]))
         return out
+
+    def _sync_pins(self, s: int, retain: list[str], release: list[str]) -> None:
+        """Hold references on exactly the keys a slot may still read.
+
+        Before its first capture a request pins all its keys (a prefix hit will read them);
+        afterwards only complete blocks below its capture cursor: blocks it will compute itself
+        need no pin (the store may still hold them from an earlier request, and pinning those
+        would let live requests hold more objects than the KV cache has blocks).
+        """
+        keys = self._keys[s]
+        cap = int(self._capture[s])
+        target = len(keys) if cap < 0 else min(len(keys), cap // self.block_size)
+        have = int(self._pinned[s])
+        if target > have:
+            retain.extend(keys[have:target])
+        elif target < have:
+            release.extend(reversed(keys[target:have]))
+        self._pinned[s] = target
 
     def _collect_staged(self, slots: Sequence[int]) -> tuple[list[tuple[str, memoryview]], list[int]]:
         """Objects for staged blocks that now have keys (one copy out of the pool)."""
@@ -333,7 +367,7 @@ class WorkerConnector:
             done = [int(s) for s in slots[(self._inflight[slots] == 0) & self._finished[slots]]]
             if done:
                 release = self._release_order(done)
-                self.store.put([], release=release)
+                self._put([], (), release)
                 self._teardown(done)
 
     # -- the heart of the data plane ----------------------------------------------------------
@@ -405,6 +439,10 @@ class WorkerConnector:
         self._tail[slots] = tail
 
         # -- publish complete keyed blocks (whole batch, before any read) ----------------------
+        retain: list[str] = []
+        release: list[str] = []
+        for i in np.flatnonzero(np.minimum(self._nkeys[slots], end // bs) != self._pinned[slots]).tolist():
+            self._sync_pins(int(slots[i]), retain, release)
         objects: list[tuple[str, memoryview]] = []
         pool_keys: list[str] = []
         pool_pub: list[int] = []
@@ -439,8 +477,8 @@ class WorkerConnector:
                 self._staged[s][b] = d
         if pool_pub:
             objects.extend(self._objects_from_pool(pool_keys, pool_pub))
-        if objects:
-            self.store.put(objects)
+        if objects or retain or release:
+            self._put(objects, retain, release)
         if pool_pub:
             self.pool.free(pool_pub)
 

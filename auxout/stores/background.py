@@ -2,7 +2,10 @@
 
 Back-pressure: at most ``max_pending`` batches wait; a producer blocks beyond that. Reads
 drain the queue first, so they observe every earlier write (read-your-writes). A writer
-failure is sticky: later batches are skipped (fail closed) and every later call raises.
+failure is sticky: later batches are skipped (fail closed) and every later call raises. The one
+exception is ``StoreCapacityError``: the inner store rejected that batch whole and stayed
+consistent, so the batch is counted in ``dropped_batches`` and later reads of its keys fail
+closed with ``ObjectMissingError``, while everything else keeps working.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import queue
 import threading
 from collections.abc import Iterable, Sequence
 
-from auxout.errors import PublicationError, StoreClosedError
+from auxout.errors import PublicationError, StoreCapacityError, StoreClosedError
 from auxout.stores.base import BlockStore, StoreObject
 
 _Item = tuple[Sequence[StoreObject], tuple[str, ...], tuple[str, ...]]
@@ -27,6 +30,8 @@ class BackgroundStore:
         self.object_nbytes = inner.object_nbytes
         self._queue: queue.Queue[_Item | None] = queue.Queue(maxsize=max_pending)
         self._error: BaseException | None = None
+        self.dropped_batches = 0
+        self.last_drop: StoreCapacityError | None = None
         self._closed = False
         self._close_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="auxout-store-writer", daemon=True)
@@ -88,6 +93,9 @@ class BackgroundStore:
                 if self._error is None:
                     objects, retain, release = item
                     self.inner.put(objects, retain=retain, release=release)
+            except StoreCapacityError as exc:
+                self.dropped_batches += 1
+                self.last_drop = exc
             except BaseException as exc:  # noqa: BLE001 - recorded and re-raised on the caller's side
                 self._error = exc
             finally:

@@ -120,7 +120,8 @@ class _KVCache:
         return True
 
     def cache_full_blocks(self, req: _Request) -> None:
-        n = min(req.true_computed // self.block_size, len(req.block_hashes), len(req.blocks))
+        """Register full blocks with known hashes as soon as they are scheduled (as vLLM does)."""
+        n = min(req.num_computed // self.block_size, len(req.block_hashes), len(req.blocks))
         for i in range(n):
             b, h = req.blocks[i], req.block_hashes[i]
             if self.hash_of.get(b) is None and h not in self.cached:
@@ -295,6 +296,7 @@ class SimEngine:
                 break
             out.append(_Scheduled(req, req.incarnation, n, drafts, req.num_computed))
             req.num_computed += n
+            self.kv.cache_full_blocks(req)
             if req.num_computed >= req.num_tokens + req.inflight:  # samples this step
                 req.inflight += 1 + drafts
             budget -= n
@@ -313,6 +315,7 @@ class SimEngine:
             self.running.append(req)
             out.append(_Scheduled(req, req.incarnation, n, 0, start))
             req.num_computed += n
+            self.kv.cache_full_blocks(req)
             if req.num_computed >= req.num_tokens:
                 req.inflight += 1
             budget -= n
@@ -394,13 +397,11 @@ class SimEngine:
                 continue  # aborted or preempted while this step was in flight
             req.num_computed -= rej
             if not toks:
-                self.kv.cache_full_blocks(req)
                 continue
             req.inflight -= 1 + s.num_drafts
             room = req.max_tokens - len(req.output)
             req.output.extend(toks[:room])
             self._update_hashes(req)
-            self.kv.cache_full_blocks(req)
             finished = len(req.output) >= req.max_tokens
             try:
                 chunk = self.scheduler.take_output(output, req, finished=finished)

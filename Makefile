@@ -1,0 +1,43 @@
+# The two front-door commands are `make demo` and `make test`; both install what they need.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.auxout-installed
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+export PYTHONUNBUFFERED := 1
+
+.PHONY: install demo test test-fast test-slow lint fuzz bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml scripts/install.sh
+	VENV=$(VENV) bash scripts/install.sh
+
+demo: install
+	$(PY) -m auxout.cli demo
+
+test: install lint
+	$(PY) -m pytest -q
+
+# core and stores only (no vLLM engine): the quick loop while developing
+test-fast: install
+	$(PY) -m pytest -q -m "not vllm and not slow"
+
+test-slow: install
+	$(PY) -m pytest -q -m slow
+
+lint: install
+	$(VENV)/bin/ruff check auxout tests benchmarks
+	$(VENV)/bin/mypy
+
+# long property run (>= 10,000 random schedules); result recorded in docs/testing.md
+fuzz: install
+	HYPOTHESIS_PROFILE=fuzz AUXOUT_FUZZ_EXAMPLES=$${AUXOUT_FUZZ_EXAMPLES:-10000} \
+		$(PY) -m pytest -q -p no:cacheprovider tests/core/test_sim_properties.py
+
+bench: install
+	$(PY) benchmarks/dataplane.py
+	$(PY) benchmarks/stores.py
+	$(PY) benchmarks/engine_overhead.py
+
+clean:
+	rm -rf $(VENV) out .pytest_cache .mypy_cache .ruff_cache .hypothesis
