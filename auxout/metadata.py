@@ -42,19 +42,27 @@ class StepOutput:
     hi: np.ndarray
     rows: np.ndarray
     errors: dict[str, str] = field(default_factory=dict)
-    _index: dict[str, int] | None = None
+    _spans: dict[str, tuple[int, int, int]] | None = None
 
-    def index(self, request_id: str) -> int:
-        """Position of ``request_id`` among emitting requests, or -1."""
-        idx = self._index
-        if idx is None:
-            lo = self.lo.tolist()
-            idx = self._index = {rid: i for i, rid in enumerate(self.req_ids) if lo[i] >= 0}
-        return idx.get(request_id, -1)
+    def span(self, request_id: str) -> tuple[int, int, int] | None:
+        """``(token_start, lo, hi)`` of what ``request_id`` emitted this step, or None."""
+        spans = self._spans
+        if spans is None:  # built once per step, as plain ints (the scheduler asks per request)
+            spans = self._spans = {
+                rid: (t, lo, hi)
+                for rid, t, lo, hi in zip(self.req_ids, self.token_starts.tolist(), self.lo.tolist(), self.hi.tolist())
+                if lo >= 0
+            }
+        return spans.get(request_id)
 
     def rows_for(self, request_id: str) -> tuple[int, np.ndarray] | None:
         """``(token_start, rows)`` emitted for one request this step, or None."""
-        i = self.index(request_id)
-        if i < 0:
-            return None
-        return int(self.token_starts[i]), self.rows[int(self.lo[i]) : int(self.hi[i])]
+        sp = self.span(request_id)
+        return None if sp is None else (sp[0], self.rows[sp[1] : sp[2]])
+
+    def __getstate__(self) -> tuple:
+        return (self.req_ids, self.token_starts, self.lo, self.hi, self.rows, self.errors)
+
+    def __setstate__(self, state: tuple) -> None:
+        self.req_ids, self.token_starts, self.lo, self.hi, self.rows, self.errors = state
+        self._spans = None

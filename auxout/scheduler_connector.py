@@ -131,18 +131,19 @@ class SchedulerConnector:
         assembled (e.g. a prefix block was evicted): fail the request, not the engine.
         """
         rid = request.request_id
-        if not self.returns_routes(rid):
+        opts = self._options.get(rid)
+        if not (self.default_return if opts is None else opts[1]):
             return None
         if output is None:
             raise InvariantError(f"worker output is missing for request {rid!r}: no step output")
-        err = output.errors.get(rid)
-        if err is not None:
-            raise RoutesUnavailableError(rid, err)
-        i = output.index(rid)
-        if i < 0:
+        if output.errors:
+            err = output.errors.get(rid)
+            if err is not None:
+                raise RoutesUnavailableError(rid, err)
+        span = output.span(rid)
+        if span is None:
             raise InvariantError(f"worker output is missing request {rid!r}")
-        token_start = int(output.token_starts[i])
-        lo, hi = int(output.lo[i]), int(output.hi[i])
+        token_start, lo, hi = span
         local_end = request.num_tokens - 1 - token_start
         if local_end < 0:
             if finished:

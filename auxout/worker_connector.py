@@ -57,6 +57,8 @@ def _excl_cumsum(counts: np.ndarray) -> np.ndarray:
 def _ranges(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Flattened ``(segment index, offset)`` for segments ``[starts[i], starts[i]+counts[i])``."""
     total = int(counts.sum())
+    if total == len(counts) and (counts == 1).all():  # decode: one row per segment
+        return np.arange(total, dtype=_I64), np.zeros(total, dtype=_I64)
     seg = np.repeat(np.arange(len(counts), dtype=_I64), counts)
     off = np.arange(total, dtype=_I64) - np.repeat(_excl_cumsum(counts), counts)
     return seg, off
@@ -91,6 +93,7 @@ class WorkerConnector:
         self.store = store
         self.keyspace = keyspace or KeySpace()
         self.max_concurrent_batches = max_concurrent_batches
+        self._block_nbytes = expected
         self.generation = 0
         self.pool = StagingPool(
             profile,
@@ -208,15 +211,24 @@ class WorkerConnector:
             self._tail[:] = -1
             self.generation = meta.generation
         slot_of = self._slot_of
-        for rid, emit_start in meta.requests.items():
-            s = slot_of.get(rid)
-            if s is None:
-                self._new_slot(rid, emit_start)
-            elif self._inflight[s] == 0 and emit_start > self._emit[s]:
+        reqs = meta.requests
+        known = np.fromiter((slot_of.get(rid, -1) for rid in reqs), dtype=_I64, count=len(reqs))
+        if len(known):
+            starts = np.fromiter(reqs.values(), dtype=_I64, count=len(reqs))
+            old = known >= 0
+            ks = known[old]
+            ahead = (self._inflight[ks] == 0) & (starts[old] > self._emit[ks])
+            if ahead.any():
+                i = int(np.flatnonzero(old)[np.argmax(ahead)])
+                rid = list(reqs)[i]
                 raise InvariantError(
                     f"scheduler emit cursor moved ahead of the worker for request {rid!r}: "
-                    f"emit_start={emit_start}, worker emitted up to {int(self._emit[s])}"
+                    f"emit_start={int(starts[i])}, worker emitted up to {int(self._emit[known[i]])}"
                 )
+            if not old.all():
+                names = list(reqs)
+                for i in np.flatnonzero(~old).tolist():
+                    self._new_slot(names[i], int(starts[i]))
         retain: list[str] = []
         keyed: list[int] = []
         for rid, packed in meta.block_hashes.items():
@@ -432,7 +444,10 @@ class WorkerConnector:
         seg_local = np.concatenate([cap[hidx] % bs, np.zeros(len(trail_idx), dtype=_I64)])
         if len(seg_cnt):
             seg, off = _ranges(seg_src, seg_cnt)
-            self.pool.blocks[seg_slot[seg], seg_local[seg] + off] = rows[seg_src[seg] + off]
+            # row-wise copy through 2-D byte views: one gather + one scatter of whole token rows
+            self.pool.token_rows[seg_slot[seg] * bs + seg_local[seg] + off] = rows.reshape(len(rows), -1)[
+                seg_src[seg] + off
+            ]
         tail = old_tail.copy()
         tail[head_done] = -1
         tail[trail_idx] = new_tail
@@ -447,7 +462,7 @@ class WorkerConnector:
         pool_keys: list[str] = []
         pool_pub: list[int] = []
         stage_views: list[tuple[int, int, int]] = []  # (slot, block index, row start in `rows`)
-        nbytes = self.profile.block_nbytes(bs)
+        nbytes = self._block_nbytes
         flat = memoryview(rows).cast("B") if len(rows) else None
         for i in np.flatnonzero(head_done | (stop_full > first_full)).tolist():
             s = int(slots[i])
@@ -514,6 +529,8 @@ class WorkerConnector:
         return StepOutput(list(p.req_ids), emit.copy(), lo, hi, out_rows, errors)
 
     def _check_rows(self, p: PendingStep, n_exec: np.ndarray, rejected: np.ndarray) -> None:
+        if not ((n_exec <= 0) | (rejected < 0) | (rejected > n_exec)).any():
+            return
         bad = n_exec <= 0
         if bad.any():
             i = int(np.argmax(bad))
