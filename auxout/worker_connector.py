@@ -94,6 +94,7 @@ class WorkerConnector:
         self.keyspace = keyspace or KeySpace()
         self.max_concurrent_batches = max_concurrent_batches
         self._block_nbytes = expected
+        self._token_nbytes = profile.token_nbytes
         self.generation = 0
         self.pool = StagingPool(
             profile,
@@ -463,7 +464,7 @@ class WorkerConnector:
         pool_pub: list[int] = []
         stage_views: list[tuple[int, int, int]] = []  # (slot, block index, row start in `rows`)
         nbytes = self._block_nbytes
-        flat = memoryview(rows).cast("B") if len(rows) else None
+        flat = memoryview(rows.reshape(-1).view(np.uint8).data) if len(rows) else None  # type: ignore[arg-type]
         for i in np.flatnonzero(head_done | (stop_full > first_full)).tolist():
             s = int(slots[i])
             keys = self._keys[s]
@@ -481,7 +482,8 @@ class WorkerConnector:
                 start = base + b * bs
                 if b < nkeys:
                     assert flat is not None
-                    objects.append((keys[b], flat[start * self.profile.token_nbytes : start * self.profile.token_nbytes + nbytes]))
+                    byte0 = start * self._token_nbytes
+                    objects.append((keys[b], flat[byte0 : byte0 + nbytes]))
                 else:
                     stage_views.append((s, b, start))
         if stage_views:

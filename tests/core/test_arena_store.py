@@ -1,0 +1,370 @@
+"""ArenaStore: LRU among unreferenced objects, immutable puts, tail-first terminal release, fail-closed."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from auxout.errors import InvariantError, ObjectMissingError, StoreCapacityError, StoreClosedError
+from auxout.stores import ArenaStore, BlockStore, LRUPolicy, make_store
+from auxout.stores.policy import RemoveReason
+
+N = 8  # object_nbytes
+
+
+def payload(tag: int, n: int = N) -> bytes:
+    return bytes([tag]) * n
+
+
+def store_of(capacity: int, **kw) -> ArenaStore:
+    return ArenaStore(capacity * N, N, **kw)
+
+
+def present(store: ArenaStore, keys: Sequence[str]) -> dict[str, bool]:
+    return dict(zip(keys, store.contains(list(keys))))
+
+
+# -- construction ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("max_bytes", "object_nbytes", "fragment"),
+    [
+        (64, 0, "object_nbytes"),
+        (64, -1, "object_nbytes"),
+        (7, 8, "at least one object"),
+        (64, 8.0, "object_nbytes"),
+    ],
+)
+def test_constructor_rejects_bad_sizes(max_bytes, object_nbytes, fragment) -> None:
+    with pytest.raises(ValueError, match=fragment):
+        ArenaStore(max_bytes, object_nbytes)
+
+
+def test_capacity_is_whole_objects_and_protocol() -> None:
+    s = ArenaStore(3 * N + N - 1, N)
+    assert s.num_slots == 3
+    assert isinstance(s, BlockStore)
+    for i, k in enumerate("abcd"):
+        s.put([(k, payload(i))])
+    assert len(s) == 3
+    assert s.contains(["a", "b", "c", "d"]) == [False, True, True, True]
+
+
+# -- LRU + immutable ---------------------------------------------------------------------------
+
+
+def test_lru_and_immutable_put() -> None:
+    s = store_of(2)
+    s.put([("first", payload(1))])
+    s.put([("second", payload(2))])
+    assert s.get_concatenated(["first"]) == payload(1)  # touch: "second" is now the oldest
+    s.put([("first", payload(9)), ("third", payload(3))])  # re-put does not overwrite
+    assert s.get_concatenated(["first", "third"]) == payload(1) + payload(3)
+    with pytest.raises(ObjectMissingError) as ei:
+        s.get_concatenated(["first", "second"])
+    assert ei.value.keys == ["second"]
+    msg = str(ei.value)
+    assert "second" in msg and "first" not in msg
+    assert "max_bytes" in msg and "increase" in msg.lower()
+
+
+def test_put_refreshes_recency_of_existing_key() -> None:
+    s = store_of(2)
+    s.put([("a", payload(1)), ("b", payload(2))])
+    s.put([("a", payload(7))])  # refresh only: "b" becomes the oldest
+    s.put([("c", payload(3))])
+    assert present(s, ["a", "b", "c"]) == {"a": True, "b": False, "c": True}
+    assert s.get_concatenated(["a"]) == payload(1)
+
+
+def test_duplicate_key_in_one_batch_first_payload_wins() -> None:
+    s = store_of(2)
+    s.put([("k", payload(1)), ("k", payload(2))])
+    assert len(s) == 1
+    assert s.get_concatenated(["k"]) == payload(1)
+
+
+def test_get_concatenates_in_key_order_and_repeats() -> None:
+    s = store_of(3)
+    s.put([("a", payload(1)), ("b", payload(2))])
+    assert s.get_concatenated(["b", "a", "b"]) == payload(2) + payload(1) + payload(2)
+    assert s.get_concatenated([]) == b""
+
+
+def test_missing_error_names_every_missing_key() -> None:
+    s = store_of(2)
+    s.put([("here", payload(1))])
+    keys = ["m0", "here", "m1", "m2", "m3", "m4", "m5"]
+    with pytest.raises(ObjectMissingError) as ei:
+        s.get_concatenated(keys)
+    assert ei.value.keys == ["m0", "m1", "m2", "m3", "m4", "m5"]
+    assert "m0" in str(ei.value) and "+2 more" in str(ei.value)
+    assert "max_bytes" in str(ei.value)
+
+
+# -- references ---------------------------------------------------------------------------------
+
+
+def test_referenced_objects_are_never_evicted() -> None:
+    s = store_of(2)
+    s.put([("first", payload(1))], retain=["first"])
+    s.put([("second", payload(2))])
+    s.get_concatenated(["second"])  # "first" is the oldest but referenced
+    s.put([("third", payload(3))])
+    assert present(s, ["first", "second", "third"]) == {"first": True, "second": False, "third": True}
+    assert s.references("first") == 1
+
+
+def test_keys_can_be_referenced_before_data_exists() -> None:
+    s = store_of(2)
+    s.put([], retain=["future"])
+    assert s.references("future") == 1 and s.contains(["future"]) == [False]
+    s.put([("future", payload(5))])
+    s.put([("x", payload(1))])
+    s.put([("y", payload(2))])  # evicts "x", never the referenced "future"
+    assert present(s, ["future", "x", "y"]) == {"future": True, "x": False, "y": True}
+
+
+def test_retain_counts_accumulate_and_release_unpins() -> None:
+    s = store_of(1)
+    s.put([("a", payload(1))], retain=["a", "a"])
+    s.put([], release=["a"])
+    assert s.references("a") == 1
+    with pytest.raises(StoreCapacityError):
+        s.put([("b", payload(2))])
+    s.put([], release=["a"])
+    assert s.references("a") == 0 and s.referenced_keys == {}
+    s.put([("b", payload(2))])
+    assert present(s, ["a", "b"]) == {"a": False, "b": True}
+
+
+def test_unmatched_release_is_an_invariant_error() -> None:
+    s = store_of(2)
+    with pytest.raises(InvariantError, match="'ghost'"):
+        s.put([], release=["ghost"])
+    s.put([("a", payload(1))], retain=["a"])
+    s.put([], release=["a"])
+    with pytest.raises(InvariantError, match="no live request references"):
+        s.put([], release=["a"])
+    assert s.references("a") == 0
+    assert s.get_concatenated(["a"]) == payload(1)
+
+
+# -- tail-first terminal release ---------------------------------------------------------------
+
+
+def test_terminal_put_preserves_tail_first_eviction_order() -> None:
+    s = store_of(2)
+    s.put([("first", payload(1)), ("second", payload(2))], retain=["first", "second", "third"])
+    # the tail "third" arrives with the terminal release (tail first): it is the oldest terminal key
+    s.put([("third", payload(3))], release=["third", "second", "first"])
+    assert present(s, ["first", "second", "third"]) == {"first": True, "second": True, "third": False}
+    assert s.referenced_keys == {}
+
+
+def test_terminal_put_orders_survivors_for_later_eviction() -> None:
+    s = store_of(3)
+    s.put([("first", payload(1)), ("second", payload(2))], retain=["first", "second", "third"])
+    s.put([("third", payload(3))], release=["third", "second", "first"])
+    assert present(s, ["first", "second", "third"]) == {"first": True, "second": True, "third": True}
+    s.put([("fourth", payload(4))])
+    assert present(s, ["first", "second", "third"]) == {"first": True, "second": True, "third": False}
+    s.put([("fifth", payload(5))])
+    assert present(s, ["first", "second", "fourth", "fifth"]) == {
+        "first": True,
+        "second": False,
+        "fourth": True,
+        "fifth": True,
+    }
+
+
+def test_terminal_put_keeps_a_shared_incoming_key() -> None:
+    s = store_of(2)
+    s.put([("first", payload(1)), ("second", payload(2))], retain=["first", "second", "third", "third"])
+    s.put([("third", payload(3))], release=["third", "second", "first"])  # another holder keeps "third"
+    assert s.references("third") == 1
+    assert present(s, ["first", "second", "third"]) == {"first": True, "second": False, "third": True}
+    assert s.get_concatenated(["third"]) == payload(3)
+
+
+# -- capacity / rollback ------------------------------------------------------------------------
+
+
+def test_oversized_batch_fails_without_partial_write() -> None:
+    s = store_of(2)
+    s.put([("old", payload(1))])
+    with pytest.raises(StoreCapacityError, match="cannot retain the requested batch") as ei:
+        s.put([("n1", payload(2)), ("n2", payload(3)), ("n3", payload(4))])
+    assert "nothing from this batch was written" in str(ei.value) and "limit=2" in str(ei.value)
+    assert present(s, ["old", "n1", "n2", "n3"]) == {"old": True, "n1": False, "n2": False, "n3": False}
+    assert s.get_concatenated(["old"]) == payload(1)
+    assert len(s) == 1
+    # no slot was leaked: two fresh objects still fit
+    s.put([("n1", payload(2)), ("n2", payload(3))])
+    assert s.get_concatenated(["n1", "n2"]) == payload(2) + payload(3)
+
+
+def test_all_referenced_store_rejects_batch_and_keeps_old_objects() -> None:
+    s = store_of(2)
+    s.put([("a", payload(1)), ("b", payload(2))], retain=["a", "b"])
+    with pytest.raises(StoreCapacityError, match="2 referenced"):
+        s.put([("c", payload(3))])
+    assert s.get_concatenated(["a", "b"]) == payload(1) + payload(2)
+    assert s.contains(["c"]) == [False]
+    s.put([], release=["b", "a"])
+    s.put([("c", payload(3))])  # now "b" (released first, so older) is the victim
+    assert present(s, ["a", "b", "c"]) == {"a": True, "b": False, "c": True}
+
+
+def test_payload_validation_precedes_any_mutation() -> None:
+    s = store_of(2)
+    s.put([("a", payload(1))])
+    with pytest.raises(ValueError, match="'big' has 9 bytes; expected 1..8"):
+        s.put([("ok", payload(2)), ("big", payload(3, N + 1))], retain=["ok"])
+    with pytest.raises(ValueError, match="'empty' has 0 bytes"):
+        s.put([("empty", b"")])
+    assert s.references("ok") == 0
+    assert present(s, ["a", "ok", "big", "empty"]) == {"a": True, "ok": False, "big": False, "empty": False}
+
+
+def test_shorter_payloads_round_trip() -> None:
+    s = store_of(3)
+    s.put([("full", payload(1)), ("short", b"abc"), ("view", memoryview(bytearray(b"xyzw")))])
+    assert s.get_concatenated(["short"]) == b"abc"
+    assert s.get_concatenated(["full", "short", "view"]) == payload(1) + b"abc" + b"xyzw"
+    assert s.get_concatenated(["view", "full"]) == b"xyzw" + payload(1)
+
+
+def test_shorter_payload_does_not_leak_stale_bytes_of_a_reused_slot() -> None:
+    s = store_of(1)
+    s.put([("long", payload(0xAA))])
+    s.put([("short", b"\x01\x02")])  # reuses the slot of "long"
+    assert s.get_concatenated(["short"]) == b"\x01\x02"
+
+
+def test_evicted_slot_is_reused_without_moving_live_objects() -> None:
+    s = store_of(3)
+    s.put([("a", payload(1)), ("b", payload(2)), ("c", payload(3))])
+    slots = dict(s._lru)
+    s.get_concatenated(["a", "c"])  # "b" is the oldest now
+    s.put([("d", payload(4))])
+    assert s._lru["d"] == slots["b"]
+    assert s._lru["a"] == slots["a"] and s._lru["c"] == slots["c"]
+    assert s.get_concatenated(["a", "c", "d"]) == payload(1) + payload(3) + payload(4)
+    assert s.contains(["b"]) == [False]
+
+
+def test_read_touch_changes_victim() -> None:
+    s = store_of(2)
+    s.put([("a", payload(1)), ("b", payload(2))])
+    s.get_concatenated(["a"])
+    s.put([("c", payload(3))])
+    assert present(s, ["a", "b", "c"]) == {"a": True, "b": False, "c": True}
+
+
+# -- close ------------------------------------------------------------------------------------
+
+
+def test_access_after_close_raises_store_closed() -> None:
+    s = store_of(2)
+    s.put([("a", payload(1))])
+    s.close()
+    with pytest.raises(StoreClosedError, match="ArenaStore is closed"):
+        s.put([("b", payload(2))])
+    with pytest.raises(StoreClosedError, match="closed"):
+        s.get_concatenated(["a"])
+    with pytest.raises(StoreClosedError):
+        s.contains(["a"])
+    s.close()  # idempotent
+
+
+# -- eviction policy -------------------------------------------------------------------------------
+
+
+class RecordingPolicy:
+    """Evicts the newest candidates (opposite of LRU) and records every callback."""
+
+    def __init__(self, select=None) -> None:
+        self.refs: list[tuple[str, int, int]] = []
+        self.removed: list[tuple[list[str], RemoveReason]] = []
+        self.calls: list[tuple[list[str], int]] = []
+        self._select = select
+
+    def on_reference_change(self, key: str, old: int, new: int) -> None:
+        self.refs.append((key, old, new))
+
+    def select_victims(self, candidates: Sequence[str], count: int) -> Sequence[str] | None:
+        self.calls.append((list(candidates), count))
+        if self._select is not None:
+            return self._select(candidates, count)
+        return list(candidates[::-1][:count])
+
+    def on_remove(self, keys: Sequence[str], reason: RemoveReason) -> None:
+        self.removed.append((list(keys), reason))
+
+
+def test_policy_victim_selection_is_honoured() -> None:
+    pol = RecordingPolicy()
+    s = store_of(3, policy=pol)
+    s.put([("a", payload(1)), ("b", payload(2)), ("c", payload(3))], retain=["a"])
+    s.put([("d", payload(4))])
+    # candidates exclude the referenced "a" and the incoming "d"; oldest first
+    assert pol.calls == [(["b", "c"], 1)]
+    assert pol.removed == [(["c"], "eviction")]
+    assert present(s, ["a", "b", "c", "d"]) == {"a": True, "b": True, "c": False, "d": True}
+    assert s.get_concatenated(["b", "d"]) == payload(2) + payload(4)
+    s.put([], release=["a"])
+    assert pol.refs == [("a", 0, 1), ("a", 1, 0)]
+
+
+@pytest.mark.parametrize(
+    "select",
+    [
+        pytest.param(lambda c, n: None, id="refuse"),
+        pytest.param(lambda c, n: list(c[: n - 1]), id="too-few"),
+        pytest.param(lambda c, n: list(c[:n]) + ["a"], id="too-many"),
+        pytest.param(lambda c, n: [c[0]] * n, id="duplicates"),
+        pytest.param(lambda c, n: ["a"] * n, id="referenced-key"),
+        pytest.param(lambda c, n: ["new1"] * n, id="protected-incoming"),
+        pytest.param(lambda c, n: ["nope"] * n, id="unknown-key"),
+    ],
+)
+def test_policy_invalid_selection_fails_closed(select) -> None:
+    pol = RecordingPolicy(select)
+    s = store_of(3, policy=pol)
+    s.put([("a", payload(1)), ("b", payload(2)), ("c", payload(3))], retain=["a"])
+    with pytest.raises(StoreCapacityError, match="cannot retain"):
+        s.put([("new1", payload(4)), ("new2", payload(5))])
+    assert pol.calls == [(["b", "c"], 2)]
+    assert pol.removed == [(["new1", "new2"], "rollback")]
+    assert present(s, ["a", "b", "c", "new1", "new2"]) == {
+        "a": True,
+        "b": True,
+        "c": True,
+        "new1": False,
+        "new2": False,
+    }
+    assert s.get_concatenated(["a", "b", "c"]) == payload(1) + payload(2) + payload(3)
+
+
+def test_lru_policy_matches_default_behaviour() -> None:
+    plain, withpol = store_of(3), store_of(3, policy=LRUPolicy())
+    keys = [f"k{i}" for i in range(8)]
+    for st in (plain, withpol):
+        for i, k in enumerate(keys):
+            st.put([(k, payload(i))], retain=[k] if i == 2 else ())
+            if i % 3 == 0 and st.contains([keys[0]])[0]:
+                st.get_concatenated([keys[0]])
+    assert plain.contains(keys) == withpol.contains(keys)
+    assert withpol.contains(["k2"]) == [True]
+
+
+def test_make_store_builds_arena() -> None:
+    s = make_store("arena", max_bytes=2 * N, object_nbytes=N, background=False)
+    assert isinstance(s, ArenaStore) and s.num_slots == 2
+    with pytest.raises(ValueError, match="unknown route store backend"):
+        make_store("nope", max_bytes=2 * N, object_nbytes=N)
+    with pytest.raises(TypeError, match="unexpected options"):
+        make_store("arena", max_bytes=2 * N, object_nbytes=N, background=False, bogus=1)

@@ -1,0 +1,201 @@
+"""BackgroundStore: off-thread writes, read-your-writes, back-pressure, sticky failure, close."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Sequence
+
+import pytest
+
+from auxout.errors import ObjectMissingError, PublicationError, StoreCapacityError, StoreClosedError
+from auxout.stores import ArenaStore, BackgroundStore, make_store
+
+N = 8
+WAIT = 5.0  # generous upper bound for thread hand-offs; tests finish far sooner
+
+
+def payload(tag: int) -> bytes:
+    return bytes([tag]) * N
+
+
+class GatedStore:
+    """Inner store whose ``put`` can block on a gate and can be made to fail; counts calls."""
+
+    def __init__(self, capacity: int = 8, *, gate: bool = False, fail_on: int | None = None) -> None:
+        self.inner = ArenaStore(capacity * N, N)
+        self.object_nbytes = N
+        self.gate = threading.Event()
+        if not gate:
+            self.gate.set()
+        self.entered = threading.Event()
+        self.fail_on = fail_on
+        self.puts: list[list[str]] = []
+        self.close_calls = 0
+        self.writer_threads: set[str] = set()
+
+    def put(self, objects: Sequence, *, retain: Iterable[str] = (), release: Iterable[str] = ()) -> None:
+        self.writer_threads.add(threading.current_thread().name)
+        self.entered.set()
+        assert self.gate.wait(WAIT)
+        self.puts.append([k for k, _ in objects])
+        if self.fail_on is not None and len(self.puts) == self.fail_on:
+            raise RuntimeError("disk on fire")
+        self.inner.put(objects, retain=retain, release=release)
+
+    def get_concatenated(self, keys: Sequence[str]) -> bytes:
+        return self.inner.get_concatenated(keys)
+
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        return self.inner.contains(keys)
+
+    def close(self) -> None:
+        self.close_calls += 1
+        self.inner.close()
+
+
+def test_put_does_not_block_caller_while_inner_store_blocks() -> None:
+    inner = GatedStore(gate=True)
+    bg = BackgroundStore(inner, max_pending=4)
+    t0 = time.monotonic()
+    bg.put([("a", payload(1))])
+    bg.put([("b", payload(2))])
+    assert time.monotonic() - t0 < 1.0
+    assert inner.entered.wait(WAIT), "the writer thread must pick up the batch"
+    assert inner.puts == []  # still blocked inside the inner store
+    assert threading.current_thread().name not in inner.writer_threads
+    inner.gate.set()
+    bg.close()
+    assert inner.puts == [["a"], ["b"]]
+    assert inner.close_calls == 1
+    assert inner.writer_threads == {"auxout-store-writer"}
+    bg.close()  # idempotent: the inner store is closed once
+    assert inner.close_calls == 1
+
+
+def test_read_your_writes() -> None:
+    class SlowStore(GatedStore):
+        def put(self, objects, *, retain=(), release=()):  # type: ignore[no-untyped-def]
+            time.sleep(0.05)
+            super().put(objects, retain=retain, release=release)
+
+    inner = SlowStore()
+    bg = BackgroundStore(inner, max_pending=8)
+    bg.put([("a", payload(1))], retain=["a"])
+    bg.put([("b", payload(2))])
+    assert bg.get_concatenated(["a", "b"]) == payload(1) + payload(2)
+    bg.put([("c", payload(3))])
+    assert bg.contains(["a", "b", "c", "d"]) == [True, True, True, False]
+    bg.put([], release=["a"])
+    bg.flush()
+    assert inner.inner.references("a") == 0
+    bg.close()
+
+
+def test_back_pressure_blocks_producer_beyond_max_pending() -> None:
+    inner = GatedStore(gate=True)
+    bg = BackgroundStore(inner, max_pending=1)
+    bg.put([("a", payload(1))])
+    assert inner.entered.wait(WAIT)  # writer holds "a" (blocked), the queue is empty again
+    bg.put([("b", payload(2))])  # fills the single pending slot
+    done = threading.Event()
+
+    def third() -> None:
+        bg.put([("c", payload(3))])
+        done.set()
+
+    t = threading.Thread(target=third, daemon=True)
+    t.start()
+    assert not done.wait(0.3), "a producer beyond max_pending must block"
+    inner.gate.set()
+    assert done.wait(WAIT)
+    t.join(WAIT)
+    assert bg.get_concatenated(["a", "b", "c"]) == payload(1) + payload(2) + payload(3)
+    assert inner.puts == [["a"], ["b"], ["c"]]
+    bg.close()
+
+
+def test_empty_put_is_a_noop() -> None:
+    inner = GatedStore()
+    bg = BackgroundStore(inner)
+    bg.put([])
+    bg.flush()
+    assert inner.puts == []
+    bg.close()
+
+
+def test_writer_failure_is_sticky_and_chained() -> None:
+    inner = GatedStore(gate=True, fail_on=1)
+    bg = BackgroundStore(inner, max_pending=4)
+    bg.put([("a", payload(1))])  # will fail on the writer
+    assert inner.entered.wait(WAIT)
+    bg.put([("b", payload(2))])  # queued behind the failing batch: must be skipped
+    inner.gate.set()
+    with pytest.raises(PublicationError, match="disk on fire") as ei:
+        bg.flush()
+    assert isinstance(ei.value.__cause__, RuntimeError)
+    assert inner.puts == [["a"]], "writes after a failure must be skipped"
+    assert inner.inner.contains(["a", "b"]) == [False, False]
+    with pytest.raises(PublicationError) as ei_put:
+        bg.put([("c", payload(3))])
+    assert isinstance(ei_put.value.__cause__, RuntimeError)
+    with pytest.raises(PublicationError):
+        bg.get_concatenated(["a"])
+    with pytest.raises(PublicationError):
+        bg.contains(["a"])
+    assert inner.puts == [["a"]]
+    with pytest.raises(PublicationError) as ei_close:
+        bg.close()
+    assert isinstance(ei_close.value.__cause__, RuntimeError)
+    assert inner.close_calls == 1
+    bg.close()  # already closed: no second close of the inner store
+    assert inner.close_calls == 1
+
+
+def test_capacity_rejection_drops_only_that_batch() -> None:
+    """A batch the inner store rejects whole is counted and dropped; the store keeps working."""
+    inner = ArenaStore(1 * N, N)
+    bg = BackgroundStore(inner, max_pending=4)
+    bg.put([("a", payload(1))], retain=["a"])
+    bg.put([("b", payload(2))])  # cannot fit: "a" is referenced
+    assert bg.contains(["a", "b"]) == [True, False]
+    assert bg.dropped_batches == 1
+    assert isinstance(bg.last_drop, StoreCapacityError)
+    assert "cannot retain" in str(bg.last_drop)
+    with pytest.raises(ObjectMissingError) as ei:
+        bg.get_concatenated(["a", "b"])
+    assert ei.value.keys == ["b"]
+    assert bg.get_concatenated(["a"]) == payload(1)  # the old object is intact
+    bg.put([], release=["a"])
+    bg.put([("c", payload(3))])  # later writes are applied
+    assert bg.get_concatenated(["c"]) == payload(3)
+    assert bg.dropped_batches == 1
+    bg.close()
+
+
+def test_access_after_close_raises_store_closed() -> None:
+    inner = GatedStore()
+    bg = BackgroundStore(inner)
+    bg.put([("a", payload(1))])
+    bg.close()
+    assert inner.puts == [["a"]]  # close drained the queue first
+    with pytest.raises(StoreClosedError, match="BackgroundStore is closed"):
+        bg.put([("b", payload(2))])
+    with pytest.raises(StoreClosedError):
+        bg.get_concatenated(["a"])
+    with pytest.raises(StoreClosedError):
+        bg.contains(["a"])
+    with pytest.raises(StoreClosedError):
+        bg.flush()
+    assert inner.close_calls == 1
+
+
+def test_constructor_validation_and_factory() -> None:
+    with pytest.raises(ValueError, match="max_pending"):
+        BackgroundStore(ArenaStore(N, N), max_pending=0)
+    bg = make_store("arena", max_bytes=2 * N, object_nbytes=N)
+    assert isinstance(bg, BackgroundStore) and isinstance(bg.inner, ArenaStore)
+    assert bg.object_nbytes == N
+    bg.put([("k", payload(7))])
+    assert bg.get_concatenated(["k"]) == payload(7)
+    bg.close()

@@ -1,0 +1,405 @@
+"""SchedulerConnector: incremental metadata, exactly-once terminal events, output clipping, validation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from auxout.errors import InvariantError, RequestValidationError, RoutesUnavailableError
+from auxout.metadata import NO_EMIT, StepOutput
+from auxout.profile import RouteProfile
+from auxout.scheduler_connector import SchedulerConnector, validate_prompt_start
+from auxout.testing import FakeMoE
+
+PROF = RouteProfile(num_layers=3, top_k=2, num_experts=16)
+MODEL = FakeMoE(num_layers=3, top_k=2, num_experts=16, vocab_size=100, seed=7)
+
+
+def h(i: int) -> bytes:
+    return i.to_bytes(8, "big")
+
+
+@dataclass
+class Req:
+    request_id: str
+    num_tokens: int
+    num_output_tokens: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
+
+
+def reqs(*rs: Req) -> dict[str, Req]:
+    return {r.request_id: r for r in rs}
+
+
+def hashes_of(meta, rid: str) -> list[bytes]:
+    return list(meta.block_hashes[rid])
+
+
+def output(entries: dict[str, tuple[int, np.ndarray]], errors: dict[str, str] | None = None) -> StepOutput:
+    """A StepOutput with ``rid -> (token_start, rows)``; an empty rows array still emits."""
+    ids = list(entries)
+    parts = [entries[r][1] for r in ids]
+    lens = np.array([len(p) for p in parts], dtype=np.int64)
+    lo = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64) if ids else np.zeros(0, np.int64)
+    rows = np.concatenate(parts) if parts else PROF.empty(0)
+    return StepOutput(
+        ids,
+        np.array([entries[r][0] for r in ids], dtype=np.int64),
+        lo,
+        lo + lens,
+        rows,
+        errors or {},
+    )
+
+
+ROWS = MODEL.routes(list(range(40)))
+
+
+# -- metadata ------------------------------------------------------------------------------------
+
+
+def test_builds_metadata_for_a_request_with_outputs() -> None:
+    sc = SchedulerConnector()
+    sc.add_request("r", prompt_len=4)
+    r = Req("r", num_tokens=5, num_output_tokens=1, block_hashes=[h(1)])
+    meta = sc.build_metadata(["r"], reqs(r))
+    assert meta.generation == 0
+    assert meta.requests == {"r": 4}  # num_tokens - 1
+    assert hashes_of(meta, "r") == [h(1)]
+    assert meta.block_hashes["r"].item_size == 8
+    assert meta.finished == ()
+    got = sc.take_output(output({"r": (0, ROWS[:4])}), r)
+    assert got is not None and np.array_equal(got, ROWS[:4])
+
+
+@pytest.mark.parametrize("prompt_start", [0, 2, 6])
+def test_new_request_emits_from_prompt_start(prompt_start: int) -> None:
+    sc = SchedulerConnector()
+    sc.add_request("r", prompt_len=6, prompt_start=prompt_start)
+    meta = sc.build_metadata(["r"], reqs(Req("r", 6, 0, [h(1)])))
+    assert meta.requests == {"r": prompt_start}
+
+
+def test_running_request_emits_from_last_token() -> None:
+    sc = SchedulerConnector()
+    sc.add_request("r", prompt_len=6, prompt_start=3)
+    r = Req("r", 6, 0, [h(1)])
+    assert sc.build_metadata(["r"], reqs(r)).requests == {"r": 3}
+    r.num_tokens, r.num_output_tokens = 9, 3
+    assert sc.build_metadata(["r"], reqs(r)).requests == {"r": 8}
+    # numpy integer prompt starts are accepted too
+    sc.add_request("q", prompt_len=6, prompt_start=np.int64(5))
+    assert sc.build_metadata(["q"], reqs(r, Req("q", 6))).requests == {"q": 5}
+
+
+def test_unregistered_request_uses_defaults() -> None:
+    sc = SchedulerConnector()
+    assert sc.build_metadata(["x"], reqs(Req("x", 3))).requests == {"x": 0}
+    off = SchedulerConnector(default_return=False)
+    assert off.build_metadata(["x"], reqs(Req("x", 3))).requests == {"x": NO_EMIT}
+
+
+def test_each_block_hash_is_sent_once_and_incrementally() -> None:
+    sc = SchedulerConnector()
+    r = Req("r", 8, 0, [h(1), h(2)])
+    m1 = sc.build_metadata(["r"], reqs(r))
+    assert hashes_of(m1, "r") == [h(1), h(2)]
+    m2 = sc.build_metadata(["r"], reqs(r))
+    assert m2.block_hashes == {} and m2.requests == {"r": 0}
+    r.block_hashes.append(h(3))
+    m3 = sc.build_metadata(["r"], reqs(r))
+    assert hashes_of(m3, "r") == [h(3)]
+    r.block_hashes += [h(4), h(5)]
+    assert hashes_of(sc.build_metadata(["r"], reqs(r)), "r") == [h(4), h(5)]
+
+
+def test_request_without_hashes_sends_no_entry() -> None:
+    sc = SchedulerConnector()
+    meta = sc.build_metadata(["r"], reqs(Req("r", 3)))
+    assert meta.requests == {"r": 0} and meta.block_hashes == {}
+
+
+def test_hash_only_update_for_tracked_unscheduled_request() -> None:
+    sc = SchedulerConnector()
+    a, b = Req("a", 4, 0, [h(1)]), Req("b", 4, 0, [h(9)])
+    sc.build_metadata(["a", "b"], reqs(a, b))
+    a.block_hashes.append(h(2))
+    meta = sc.build_metadata(["b"], reqs(a, b))
+    assert meta.requests == {"b": 0}
+    assert set(meta.block_hashes) == {"a"} and hashes_of(meta, "a") == [h(2)]
+    # only once
+    meta = sc.build_metadata([], reqs(a, b))
+    assert meta.requests == {} and meta.block_hashes == {}
+    # a hash-only update with nothing scheduled at all
+    b.block_hashes.append(h(10))
+    meta = sc.build_metadata([], reqs(a, b))
+    assert meta.requests == {} and hashes_of(meta, "b") == [h(10)]
+
+
+def test_shrinking_hash_history_is_an_invariant_error() -> None:
+    sc = SchedulerConnector()
+    r = Req("r", 8, 0, [h(1), h(2)])
+    sc.build_metadata(["r"], reqs(r))
+    r.block_hashes = [h(1)]
+    with pytest.raises(InvariantError, match="'r' shrank from 2 to 1"):
+        sc.build_metadata(["r"], reqs(r))
+    sc2 = SchedulerConnector()
+    sc2.build_metadata(["r"], reqs(Req("r", 8, 0, [h(1), h(2)])))
+    with pytest.raises(InvariantError, match="shrank"):
+        sc2.request_finished(Req("r", 8, 0, []))
+
+
+# -- terminal events -------------------------------------------------------------------------------
+
+
+def test_terminal_events_keep_order_and_are_delivered_once() -> None:
+    sc = SchedulerConnector()
+    a, b, c = Req("a", 4, 0, [h(1)]), Req("b", 4, 0, [h(2)]), Req("c", 4, 0, [h(3)])
+    sc.build_metadata(["a", "b", "c"], reqs(a, b, c))
+    sc.request_finished(c)
+    sc.request_finished(a)
+    sc.request_finished(b)
+    meta = sc.build_metadata([], {})
+    assert meta.finished == ("c", "a", "b")
+    assert meta.block_hashes == {}  # no hash was new
+    assert sc.build_metadata([], {}).finished == ()
+    sc.request_finished(a)  # already terminated: nothing more
+    assert sc.build_metadata([], {}).finished == ()
+
+
+def test_terminal_event_carries_hashes_discovered_after_last_schedule() -> None:
+    sc = SchedulerConnector()
+    r = Req("r", 4, 0, [h(1)])
+    sc.build_metadata(["r"], reqs(r))
+    r.block_hashes += [h(2), h(3)]
+    r.num_tokens = 12
+    sc.request_finished(r)
+    meta = sc.build_metadata([], {})
+    assert meta.finished == ("r",)
+    assert hashes_of(meta, "r") == [h(2), h(3)]
+    assert meta.requests == {}
+
+
+def test_never_announced_request_has_no_terminal_event() -> None:
+    sc = SchedulerConnector()
+    sc.add_request("r", 4)
+    sc.request_finished(Req("r", 4, 0, [h(1)]))
+    assert sc.build_metadata([], {}).finished == ()
+
+
+def test_preempted_request_is_re_sent_all_hashes() -> None:
+    sc = SchedulerConnector()
+    sc.add_request("r", prompt_len=8, prompt_start=2)
+    r = Req("r", 8, 0, [h(1), h(2)])
+    sc.build_metadata(["r"], reqs(r))
+    r.num_tokens, r.num_output_tokens = 10, 2
+    r.block_hashes.append(h(3))
+    sc.build_metadata(["r"], reqs(r))
+    sc.request_finished(r, preempted=True)
+    meta = sc.build_metadata([], {})
+    assert meta.finished == ("r",) and meta.block_hashes == {}
+    meta = sc.build_metadata(["r"], reqs(r))  # resumed
+    assert hashes_of(meta, "r") == [h(1), h(2), h(3)]
+    assert meta.requests == {"r": 9}
+    assert meta.finished == ()
+    # preemption keeps the route options
+    r2 = Req("r", 8, 0, [h(1), h(2), h(3)])
+    sc.request_finished(r2, preempted=True)
+    sc.build_metadata([], {})
+    assert sc.build_metadata(["r"], reqs(r2)).requests == {"r": 2}
+
+
+def test_finish_drops_route_options() -> None:
+    sc = SchedulerConnector()
+    sc.add_request("r", 4, return_routes=False)
+    assert not sc.returns_routes("r")
+    r = Req("r", 4)
+    sc.build_metadata(["r"], reqs(r))
+    sc.request_finished(r)
+    assert sc.returns_routes("r")  # back to the default
+    sc.add_request("q", 4, return_routes=False)
+    sc.forget("q")
+    assert sc.returns_routes("q")
+
+
+# -- take_output ---------------------------------------------------------------------------------
+
+
+def test_consumes_ordered_stale_outputs_with_clipping() -> None:
+    sc = SchedulerConnector()
+    r = Req("r", 6, 1)
+    first = sc.take_output(output({"r": (0, ROWS[:5])}), r)
+    assert first is not None and np.array_equal(first, ROWS[:5])
+    # the next output covers 3 positions, but a stop cut the request at one more token
+    r.num_tokens, r.num_output_tokens = 7, 2
+    second = sc.take_output(output({"r": (5, ROWS[5:8])}), r, finished=True)
+    assert second is not None and np.array_equal(second, ROWS[5:6])
+
+
+def test_take_output_returns_a_view_of_the_step_rows() -> None:
+    sc = SchedulerConnector()
+    out = output({"a": (0, ROWS[:3]), "b": (4, ROWS[4:6])})
+    a, b = Req("a", 4, 1), Req("b", 6, 1)
+    got_b = sc.take_output(out, b)
+    got_a = sc.take_output(out, a)
+    assert got_a is not None and np.array_equal(got_a, ROWS[:3])
+    assert got_b is not None and np.array_equal(got_b, ROWS[4:5])
+
+
+def test_missing_output_is_an_invariant_error() -> None:
+    sc = SchedulerConnector()
+    r = Req("r", 4, 1)
+    with pytest.raises(InvariantError, match="missing for request 'r'"):
+        sc.take_output(None, r)
+    with pytest.raises(InvariantError, match="worker output is missing request 'r'"):
+        sc.take_output(output({}), r)
+    with pytest.raises(InvariantError, match="missing request 'r'"):
+        sc.take_output(output({"other": (0, ROWS[:3])}), r)
+    silent = StepOutput(["r"], np.array([0]), np.array([-1]), np.array([-1]), ROWS[:3])
+    with pytest.raises(InvariantError, match="missing request 'r'"):
+        sc.take_output(silent, r)
+
+
+def test_rows_shorter_than_accepted_range_are_an_invariant_error() -> None:
+    sc = SchedulerConnector()
+    r = Req("r", 6, 1)
+    with pytest.raises(InvariantError, match="invalid token range for request 'r'") as ei:
+        sc.take_output(output({"r": (0, ROWS[:4])}), r)
+    assert "accepted end 5" in str(ei.value) and "[0, 4)" in str(ei.value)
+
+
+def test_finished_request_without_accepted_range_is_an_invariant_error() -> None:
+    sc = SchedulerConnector()
+    r = Req("r", 6, 1)
+    out = output({"r": (6, ROWS[6:7])})
+    assert sc.take_output(out, r) is None  # not finished: a stale output past the end
+    with pytest.raises(InvariantError, match="finished request 'r' has no accepted token range") as ei:
+        sc.take_output(out, r, finished=True)
+    assert "token_end=5" in str(ei.value)
+
+
+def test_empty_accepted_range_returns_empty_rows_even_when_finished() -> None:
+    sc = SchedulerConnector()
+    r = Req("r", 5, 1)
+    got = sc.take_output(output({"r": (4, ROWS[4:4])}), r, finished=True)
+    assert got is not None and got.shape == (0, 3, 2) and got.dtype == PROF.dtype
+
+
+def test_worker_error_becomes_routes_unavailable_for_that_request_only() -> None:
+    sc = SchedulerConnector()
+    out = output({"ok": (0, ROWS[:3])}, errors={"bad": "ObjectMissingError: gone"})
+    with pytest.raises(RoutesUnavailableError, match="'bad'.*gone") as ei:
+        sc.take_output(out, Req("bad", 4, 1))
+    assert ei.value.request_id == "bad" and "gone" in ei.value.reason
+    got = sc.take_output(out, Req("ok", 4, 1))
+    assert got is not None and np.array_equal(got, ROWS[:3])
+
+
+def test_opt_out_returns_none_and_never_emits() -> None:
+    sc = SchedulerConnector()
+    sc.add_request("r", 4, return_routes=False)
+    r = Req("r", 5, 1, [h(1)])
+    meta = sc.build_metadata(["r"], reqs(r))
+    assert meta.requests == {"r": NO_EMIT}
+    assert hashes_of(meta, "r") == [h(1)]  # rows are still published for prefix reuse
+    assert sc.take_output(None, r) is None
+    assert sc.take_output(output({}), r, finished=True) is None
+
+
+# -- validation ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "fragment"),
+    [
+        (-1, "must be non-negative"),
+        (5, "must not exceed the prompt length 4"),
+        (True, "must be an integer, not bool"),
+        (False, "must be an integer, not bool"),
+        (1.0, "must be an integer, not float"),
+        ("2", "must be an integer, not str"),
+        (None, "must be an integer, not NoneType"),
+    ],
+)
+def test_prompt_start_validation(value: object, fragment: str) -> None:
+    sc = SchedulerConnector()
+    with pytest.raises(RequestValidationError) as ei:
+        sc.add_request("r", prompt_len=4, prompt_start=value)
+    err = ei.value
+    assert isinstance(err, ValueError)
+    assert err.field == "routed_experts_prompt_start"
+    assert err.value == value and type(err.value) is type(value)
+    assert fragment in str(err)
+    assert f"routed_experts_prompt_start={value!r}" in str(err)
+    assert sc.build_metadata(["r"], reqs(Req("r", 4))).requests == {"r": 0}  # nothing was registered
+
+
+def test_prompt_start_equal_to_prompt_length_is_accepted() -> None:
+    assert validate_prompt_start(4, 4) == 4
+    assert validate_prompt_start(0, 0) == 0
+    sc = SchedulerConnector()
+    sc.add_request("r", prompt_len=4, prompt_start=4)
+    r = Req("r", 4)
+    assert sc.build_metadata(["r"], reqs(r)).requests == {"r": 4}
+    r.num_tokens, r.num_output_tokens = 5, 1
+    first = sc.take_output(output({"r": (4, ROWS[4:4])}), r)
+    assert first is not None and len(first) == 0 and first.shape[1:] == (3, 2)
+    r.num_tokens, r.num_output_tokens = 6, 2
+    second = sc.take_output(output({"r": (4, ROWS[4:5])}), r, finished=True)
+    assert second is not None and np.array_equal(second, ROWS[4:5])
+
+
+@pytest.mark.parametrize("value", [1, "yes", 0.0])
+def test_return_routes_must_be_boolean(value: object) -> None:
+    sc = SchedulerConnector()
+    with pytest.raises(RequestValidationError, match="return_routed_experts") as ei:
+        sc.add_request("r", 4, return_routes=value)
+    assert ei.value.field == "return_routed_experts" and ei.value.value == value
+
+
+def test_request_validation_error_pickles() -> None:
+    import pickle
+
+    err = RequestValidationError("routed_experts_prompt_start", -3, "must be non-negative")
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is RequestValidationError and str(back) == str(err) and back.value == -3
+
+
+# -- reset ----------------------------------------------------------------------------------------
+
+
+def test_reset_bumps_generation_and_re_sends_everything() -> None:
+    sc = SchedulerConnector()
+    r = Req("r", 5, 1, [h(1)])
+    d = Req("d", 4, 0, [h(7)])
+    sc.build_metadata(["r", "d"], reqs(r, d))
+    sc.request_finished(d)  # pending terminal event, dropped by the reset
+    sc.reset()
+    empty = sc.build_metadata([], reqs(r))
+    assert empty.generation == 1
+    assert empty.requests == {} and empty.block_hashes == {} and empty.finished == ()
+    meta = sc.build_metadata(["r"], reqs(r))
+    assert meta.generation == 1
+    assert meta.requests == {"r": 4}
+    assert hashes_of(meta, "r") == [h(1)]
+    sc.reset()
+    assert sc.build_metadata([], {}).generation == 2
+
+
+def test_step_output_survives_pickling_for_ipc() -> None:
+    import pickle
+
+    sc = SchedulerConnector()
+    out = output({"a": (0, ROWS[:3]), "b": (4, ROWS[4:6])}, errors={"c": "ObjectMissingError: gone"})
+    assert out.rows_for("a") is not None  # build the span cache before pickling
+    back = pickle.loads(pickle.dumps(out))
+    got = sc.take_output(back, Req("b", 6, 1))
+    assert got is not None and np.array_equal(got, ROWS[4:5])
+    got = sc.take_output(back, Req("a", 4, 1))
+    assert got is not None and np.array_equal(got, ROWS[:3])
+    with pytest.raises(RoutesUnavailableError, match="gone"):
+        sc.take_output(back, Req("c", 2, 1))
+    silent = StepOutput(["a"], np.array([0]), np.array([-1]), np.array([-1]), ROWS[:1])
+    assert pickle.loads(pickle.dumps(silent)).rows_for("a") is None

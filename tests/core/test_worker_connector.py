@@ -1,0 +1,854 @@
+"""WorkerConnector: contract checks (§4) and the data-plane behaviours of the vLLM test catalogue (§5.1).
+
+Rows come from ``FakeMoE`` (causal), so a row served for the wrong position or from a rejected
+draft differs from the oracle; every emitted chunk is compared with the oracle bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from auxout.errors import InvariantError, ObjectMissingError, PoolExhaustedError, RoutesUnavailableError
+from auxout.keys import KeySpace, PackedHashes
+from auxout.metadata import StepMetadata, StepOutput
+from auxout.profile import RouteProfile
+from auxout.scheduler_connector import SchedulerConnector
+from auxout.stores import ArenaStore, BackgroundStore
+from auxout.testing import FakeMoE
+from auxout.worker_connector import PendingStep, WorkerConnector
+
+PROF = RouteProfile(num_layers=3, top_k=2, num_experts=16)
+BS = 4
+OBJ = PROF.block_nbytes(BS)
+MODEL = FakeMoE(num_layers=3, top_k=2, num_experts=16, vocab_size=100, seed=11)
+KS = KeySpace()
+assert MODEL.profile == PROF
+
+
+@dataclass
+class Req:
+    request_id: str
+    num_tokens: int
+    num_output_tokens: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
+
+
+def h(i: int) -> bytes:
+    return i.to_bytes(8, "big")
+
+
+def key(i: int, generation: int = 0) -> str:
+    return KS.keys([h(i)], generation)[0]
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 100, n).tolist()
+
+
+def oracle(seed: int, n: int = 24) -> np.ndarray:
+    """Routes of a full forward over ``tokens(seed, n)``."""
+    return MODEL.routes(tokens(seed, n))
+
+
+def junk(n: int, seed: int = 999) -> np.ndarray:
+    """Rows of rejected drafts: (almost surely) different from any oracle row."""
+    return MODEL.routes(tokens(seed, 64))[-n:]
+
+
+class SpyStore:
+    """Wraps a store and records every call (payloads are passed through untouched)."""
+
+    def __init__(self, inner) -> None:  # type: ignore[no-untyped-def]
+        self.inner = inner
+        self.object_nbytes = inner.object_nbytes
+        self.gets: list[list[str]] = []
+        self.puts: list[tuple[list[str], list[str], list[str]]] = []
+        self.closed = 0
+
+    def put(self, objects: Sequence, *, retain: Iterable[str] = (), release: Iterable[str] = ()) -> None:
+        retain, release = list(retain), list(release)
+        self.puts.append(([k for k, _ in objects], retain, release))
+        self.inner.put(objects, retain=retain, release=release)
+
+    def get_concatenated(self, keys: Sequence[str]) -> bytes:
+        self.gets.append(list(keys))
+        return self.inner.get_concatenated(keys)
+
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        return self.inner.contains(keys)
+
+    def close(self) -> None:
+        self.closed += 1
+        self.inner.close()
+
+    def references(self, k: str) -> int:
+        return self.inner.references(k)
+
+
+def make(
+    capacity: int = 64, *, mcb: int = 1, max_num_seqs: int = 4, max_num_batched_tokens: int = 32, store=None
+) -> tuple[WorkerConnector, SpyStore]:
+    spy = SpyStore(store if store is not None else ArenaStore(capacity * OBJ, OBJ))
+    w = WorkerConnector(
+        PROF,
+        block_size=BS,
+        store=spy,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_concurrent_batches=mcb,
+    )
+    return w, spy
+
+
+def meta(
+    requests: dict[str, int] | None = None,
+    hashes: dict[str, list[int]] | None = None,
+    finished: Sequence[str] = (),
+    generation: int = 0,
+) -> StepMetadata:
+    packed = {rid: PackedHashes.pack([h(i) for i in ids]) for rid, ids in (hashes or {}).items()}
+    return StepMetadata(generation, dict(requests or {}), packed, tuple(finished))
+
+
+def prepare(w: WorkerConnector, batch: Sequence[tuple[str, int, np.ndarray]]) -> PendingStep:
+    qsl = [0]
+    for _, _, rows in batch:
+        qsl.append(qsl[-1] + len(rows))
+    rows = np.concatenate([b[2] for b in batch]) if batch else PROF.empty(0)
+    p = w.prepare_output([b[0] for b in batch], [b[1] for b in batch], qsl, rows)
+    assert p is not None
+    return p
+
+
+def run(
+    w: WorkerConnector,
+    m: StepMetadata,
+    batch: Sequence[tuple[str, int, np.ndarray]],
+    sampled: Sequence[int],
+    rejected: Sequence[int] | None = None,
+) -> StepOutput:
+    w.begin_step(m)
+    return w.process_output(prepare(w, batch), sampled, rejected)
+
+
+def assert_emits(out: StepOutput, rid: str, start: int, expected: np.ndarray) -> np.ndarray:
+    got = out.rows_for(rid)
+    assert got is not None, f"{rid} emitted nothing"
+    assert got[0] == start, f"{rid}: token_start {got[0]} != {start}"
+    rows = got[1]
+    assert rows.dtype == PROF.dtype and rows.shape == expected.shape, (rows.shape, expected.shape)
+    assert np.array_equal(rows, expected), f"{rid}: rows differ from the oracle"
+    return rows
+
+
+def stored(spy: SpyStore, *keys: str) -> bytes:
+    return spy.inner.get_concatenated(list(keys))
+
+
+# == contract checks (§4) ============================================================================
+
+
+def test_rejects_run_and_finish_in_one_step() -> None:
+    w, spy = make()
+    w.begin_step(meta({"a": 0}))
+    with pytest.raises(InvariantError, match=r"\['a'\] cannot run and finish in one step"):
+        w.begin_step(meta({"a": 0}, {"a": [1]}, finished=("a",)))
+    assert w.tracked_requests() == ["a"] and spy.puts == []  # nothing applied
+    t = oracle(1)
+    out = run(w, meta({"a": 0}, {"a": [1]}), [("a", 0, t[:5])], [1])
+    assert_emits(out, "a", 0, t[:5])
+    assert stored(spy, key(1)) == t[:4].tobytes()
+
+
+def test_rejects_generation_moving_backwards() -> None:
+    w, spy = make()
+    w.begin_step(meta(generation=1))
+    with pytest.raises(InvariantError, match="generation moved backwards: 0 < 1"):
+        w.begin_step(meta({"a": 0}, generation=0))
+    assert w.generation == 1 and w.tracked_requests() == []
+    t = oracle(2)
+    out = run(w, meta({"a": 0}, {"a": [1]}, generation=1), [("a", 0, t[:4])], [1])
+    assert_emits(out, "a", 0, t[:4])
+    assert spy.contains([key(1, 1), key(1, 0)]) == [True, False]
+
+
+def test_rejects_generation_change_with_output_in_flight() -> None:
+    w, spy = make()
+    t = oracle(3)
+    w.begin_step(meta({"a": 0}, {"a": [1]}))
+    p = prepare(w, [("a", 0, t[:4])])
+    with pytest.raises(InvariantError, match="generation changed to 1 with 1 step output"):
+        w.begin_step(meta(generation=1))
+    assert w.generation == 0 and w.tracked_requests() == ["a"]
+    out = w.process_output(p, [1])  # the in-flight output is unharmed
+    assert_emits(out, "a", 0, t[:4])
+    assert spy.references(key(1)) == 1
+    w.begin_step(meta(generation=1))  # now allowed: every state dropped, pins released
+    assert w.generation == 1 and w.tracked_requests() == []
+    assert spy.references(key(1)) == 0
+    assert w.pool.num_free == w.pool.num_blocks
+    assert stored(spy, key(1)) == t[:4].tobytes()  # the object ages out LRU, it is not deleted
+
+
+def test_rejects_scheduler_emit_cursor_ahead() -> None:
+    w, _ = make()
+    w.begin_step(meta({"a": 0}))
+    with pytest.raises(
+        InvariantError, match=r"emit cursor moved ahead .*'a'.*emit_start=1, worker emitted up to 0"
+    ):
+        w.begin_step(meta({"a": 1}))
+    t = oracle(4)
+    out = run(w, meta({"a": 0}), [("a", 0, t[:3])], [1])
+    assert_emits(out, "a", 0, t[:3])
+
+
+def test_emit_start_is_not_checked_while_output_in_flight() -> None:
+    w, _ = make(mcb=2)
+    t = oracle(5)
+    w.begin_step(meta({"a": 0}))
+    p1 = prepare(w, [("a", 0, t[:4])])
+    w.begin_step(meta({"a": 4}))  # built optimistically before step 1 was processed: allowed
+    p2 = prepare(w, [("a", 4, t[4:5])])
+    assert_emits(w.process_output(p1, [1]), "a", 0, t[:4])
+    assert_emits(w.process_output(p2, [1]), "a", 4, t[4:5])
+
+
+def test_rejects_outputs_not_consumed_in_order() -> None:
+    w, _ = make(mcb=1)
+    t = oracle(6)
+    w.begin_step(meta({"a": 0}))
+    p1 = prepare(w, [("a", 0, t[:4])])
+    w.begin_step(meta({}))
+    with pytest.raises(
+        InvariantError, match="not consumed in order: 1 unprocessed, limit max_concurrent_batches=1"
+    ):
+        w.prepare_output(["a"], [4], [0, 1], t[4:5])
+    assert w.num_inflight == 1
+    assert_emits(w.process_output(p1, [1]), "a", 0, t[:4])
+    assert w.num_inflight == 0
+
+
+def test_rejects_processing_out_of_order() -> None:
+    w, _ = make(mcb=2)
+    t = oracle(7)
+    w.begin_step(meta({"a": 0}))
+    p1 = prepare(w, [("a", 0, t[:4])])
+    w.begin_step(meta({"a": 0}))
+    p2 = prepare(w, [("a", 4, t[4:5])])
+    with pytest.raises(InvariantError, match="processed in the order they were prepared"):
+        w.process_output(p2, [1])
+    assert w.num_inflight == 2
+    assert_emits(w.process_output(p1, [1]), "a", 0, t[:4])
+    assert_emits(w.process_output(p2, [1]), "a", 4, t[4:5])
+
+
+@pytest.mark.parametrize("rejected", [-1, 5])
+def test_rejects_invalid_rejected_count(rejected: int) -> None:
+    w, _ = make()
+    t = oracle(8)
+    w.begin_step(meta({"a": 0}))
+    p = prepare(w, [("a", 0, t[:4])])
+    with pytest.raises(
+        InvariantError, match=f"rejected-token count {rejected} is invalid for request 'a' which executed 4"
+    ):
+        w.process_output(p, [1], [rejected])
+    assert w.num_inflight == 0
+    out = run(w, meta({"a": 0}), [("a", 0, t[:4])], [1], [0])  # the state was not advanced
+    assert_emits(out, "a", 0, t[:4])
+
+
+def test_rejects_wrong_count_lengths() -> None:
+    w, _ = make()
+    t = oracle(9)
+    w.begin_step(meta({"a": 0}))
+    p = prepare(w, [("a", 0, t[:4])])
+    with pytest.raises(InvariantError, match="needs 1 sampled and rejected counts"):
+        w.process_output(p, [])
+    assert w.num_inflight == 0
+
+
+def test_rejects_zero_token_request() -> None:
+    w, _ = make()
+    a, b = oracle(10), oracle(11)
+    w.begin_step(meta({"a": 0, "b": 0}))
+    p = w.prepare_output(["a", "b"], [0, 0], [0, 0, 3], b[:3])
+    assert p is not None
+    with pytest.raises(InvariantError, match="request 'a' executed 0 tokens; must be positive"):
+        w.process_output(p, [0, 1])
+    assert w.num_inflight == 0
+    out = run(w, meta({"a": 0, "b": 0}), [("a", 0, a[:2]), ("b", 0, b[:3])], [1, 1])
+    assert_emits(out, "a", 0, a[:2])
+    assert_emits(out, "b", 0, b[:3])
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        pytest.param(np.zeros((2, 3, 3), dtype=np.uint8), id="shape"),
+        pytest.param(np.zeros((2, 3, 2), dtype=np.int32), id="dtype"),
+        pytest.param(np.zeros((2, 6), dtype=np.uint8), id="flat"),
+    ],
+)
+def test_rejects_changed_capture_profile(rows: np.ndarray) -> None:
+    w, _ = make()
+    w.begin_step(meta({"a": 0}))
+    with pytest.raises(InvariantError, match=r"captured rows profile changed: got .* expected uint8\[3, 2\]"):
+        w.prepare_output(["a"], [0], [0, 2], rows)
+    assert w.num_inflight == 0
+    t = oracle(12)
+    assert_emits(run(w, meta({"a": 0}), [("a", 0, t[:2])], [1]), "a", 0, t[:2])
+
+
+def test_rejects_step_claiming_more_rows_than_snapshot() -> None:
+    w, _ = make()
+    w.begin_step(meta({"a": 0}))
+    with pytest.raises(InvariantError, match="claims 5 rows but the snapshot has 4"):
+        w.prepare_output(["a"], [0], [0, 5], oracle(13)[:4])
+    assert w.num_inflight == 0
+
+
+def test_rejects_unannounced_and_untracked_requests() -> None:
+    w, _ = make()
+    w.begin_step(meta({"a": 0}))
+    with pytest.raises(InvariantError, match="'ghost' executed but was never announced"):
+        w.prepare_output(["ghost"], [0], [0, 1], oracle(14)[:1])
+    assert w.num_inflight == 0
+    with pytest.raises(
+        InvariantError, match="block hashes for request 'ghost' which the worker does not track"
+    ):
+        w.begin_step(meta({}, {"ghost": [1]}))
+    with pytest.raises(InvariantError, match="terminal event for request 'ghost'"):
+        w.begin_step(meta({}, finished=("ghost",)))
+
+
+def test_rejects_overlapping_capture() -> None:
+    w, _ = make()
+    t = oracle(15)
+    run(w, meta({"a": 4}, {"a": [1]}), [("a", 4, t[4:7])], [0])  # resumes at a cached block boundary
+    w.begin_step(meta({"a": 4}))
+    p = prepare(w, [("a", 6, t[6:8])])
+    with pytest.raises(
+        InvariantError, match="capture moved backwards for request 'a': step starts at 6, rows up to 7"
+    ):
+        w.process_output(p, [1])
+    out = run(w, meta({"a": 4}), [("a", 7, t[7:8])], [1])
+    assert_emits(out, "a", 4, t[4:8])
+
+
+def test_rejects_unbacked_capture_gap() -> None:
+    w, _ = make()
+    t = oracle(16)
+    assert_emits(run(w, meta({"a": 0}), [("a", 0, t[:1])], [1]), "a", 0, t[:1])
+    w.begin_step(meta({"a": 1}))
+    p = prepare(w, [("a", 2, t[2:3])])
+    with pytest.raises(
+        InvariantError, match="unbacked token gap for request 'a': step starts at 2, capture cursor 1"
+    ):
+        w.process_output(p, [1])
+    assert_emits(run(w, meta({"a": 1}), [("a", 1, t[1:3])], [1]), "a", 1, t[1:3])
+
+
+def test_rejects_unaligned_first_capture() -> None:
+    w, _ = make()
+    t = oracle(17)
+    w.begin_step(meta({"a": 3}))
+    p = prepare(w, [("a", 3, t[3:5])])
+    with pytest.raises(
+        InvariantError,
+        match="not contiguous for request 'a': first rows start at 3, which is not a multiple of .* 4",
+    ):
+        w.process_output(p, [1])
+    assert_emits(run(w, meta({"a": 3}), [("a", 0, t[:5])], [1]), "a", 3, t[3:5])
+
+
+def test_pool_exhaustion_fails_closed() -> None:
+    w, _ = make(max_num_seqs=1, max_num_batched_tokens=4, mcb=1)
+    assert w.pool.num_blocks == 4
+    t = oracle(18)
+    w.begin_step(meta({"a": 0}))  # no hashes: all five full blocks must wait in the pool
+    p = prepare(w, [("a", 0, t[:20])])
+    with pytest.raises(
+        PoolExhaustedError, match="staging pool is exhausted: need 5 block slots, 4 of 4 free"
+    ) as ei:
+        w.process_output(p, [0])
+    assert isinstance(ei.value, InvariantError)
+    assert w.pool.num_free == 4 and w.num_inflight == 0
+
+
+def test_closed_connector_rejects_calls_and_closes_store_once() -> None:
+    w, spy = make()
+    w.close()
+    w.close()
+    assert spy.closed == 1
+    with pytest.raises(InvariantError, match="worker connector is closed"):
+        w.begin_step(meta({"a": 0}))
+    with pytest.raises(InvariantError, match="closed"):
+        w.prepare_output([], [], [0], PROF.empty(0))
+
+
+def test_constructor_rejects_store_smaller_than_a_block() -> None:
+    with pytest.raises(ValueError, match="smaller than one hash block"):
+        WorkerConnector(
+            PROF, block_size=BS, store=ArenaStore(OBJ, OBJ - 1), max_num_seqs=1, max_num_batched_tokens=4
+        )
+    with pytest.raises(ValueError, match="block_size"):
+        WorkerConnector(
+            PROF, block_size=0, store=ArenaStore(OBJ, OBJ), max_num_seqs=1, max_num_batched_tokens=4
+        )
+
+
+# == data plane (§5.1) =============================================================================
+
+
+def test_publishes_blocks_and_reuses_prefix() -> None:
+    w, spy = make()
+    first = tokens(20, 8)
+    t1 = MODEL.routes(first)
+    out = run(w, meta({"first": 0}, {"first": [1, 2]}), [("first", 0, t1)], [1])
+    assert_emits(out, "first", 0, t1)
+    assert stored(spy, key(1), key(2)) == t1.tobytes()
+    w.begin_step(meta(finished=("first",)))
+    assert spy.references(key(1)) == 0 and spy.references(key(2)) == 0
+    second = first + [5, 6]
+    t2 = MODEL.routes(second)
+    out = run(w, meta({"second": 0}, {"second": [1, 2]}), [("second", 8, t2[8:10])], [1])
+    assert_emits(out, "second", 0, t2)
+    assert spy.gets == [[key(1), key(2)]]  # the first 8 rows came from the store
+
+
+def test_publishes_entire_batch_before_materializing() -> None:
+    w, spy = make()
+    toks = tokens(21, 10)
+    t = MODEL.routes(toks)
+    m = meta({"consumer": 0, "producer": 0}, {"consumer": [1, 2], "producer": [1, 2]})
+    out = run(w, m, [("consumer", 8, t[8:10]), ("producer", 0, t[:8])], [1, 1])
+    assert_emits(out, "consumer", 0, t)
+    assert_emits(out, "producer", 0, t[:8])
+    assert spy.gets == [[key(1), key(2)]]
+
+
+def test_defers_full_block_until_hash_arrives() -> None:
+    w, spy = make()
+    t = oracle(22)
+    total = w.pool.num_blocks
+    assert_emits(run(w, meta({"a": 0}), [("a", 0, t[:4])], [1]), "a", 0, t[:4])
+    assert spy.contains([key(1)]) == [False]
+    assert w.pool.num_free == total - 1  # the unkeyed block waits in the pool
+    out = run(w, meta({"a": 4}, {"a": [1]}), [("a", 4, t[4:5])], [1])
+    assert_emits(out, "a", 4, t[4:5])
+    assert stored(spy, key(1)) == t[:4].tobytes()
+    assert w.pool.num_free == total - 1  # staged block freed, the new tail holds one slot
+    assert spy.references(key(1)) == 1
+
+
+def test_hash_only_metadata_publishes_pending_block_without_forward() -> None:
+    w, spy = make()
+    t = oracle(23)
+    total = w.pool.num_blocks
+    run(w, meta({"a": 0}), [("a", 0, t[:8])], [1])
+    assert spy.contains([key(1), key(2)]) == [False, False]
+    w.begin_step(meta({}, {"a": [1]}))  # one hash arrives, nothing scheduled
+    assert spy.contains([key(1), key(2)]) == [True, False]
+    w.begin_step(meta({}, {"a": [2]}))
+    assert stored(spy, key(1), key(2)) == t[:8].tobytes()
+    assert w.pool.num_free == total
+    assert spy.references(key(1)) == 1 and spy.references(key(2)) == 1
+
+
+def test_terminal_event_publishes_hash_discovered_after_last_schedule() -> None:
+    w, spy = make()
+    t = oracle(24)
+    sc = SchedulerConnector()
+    r = Req("a", 4)
+    w.begin_step(sc.build_metadata(["a"], {"a": r}))
+    assert_emits(w.process_output(prepare(w, [("a", 0, t[:4])]), [1]), "a", 0, t[:4])
+    r.num_tokens, r.num_output_tokens, r.block_hashes = 5, 1, [h(1)]
+    sc.request_finished(r)
+    m = sc.build_metadata([], {})
+    assert m.finished == ("a",) and list(m.block_hashes["a"]) == [h(1)]
+    w.begin_step(m)
+    assert stored(spy, key(1)) == t[:4].tobytes()
+    assert w.tracked_requests() == [] and spy.references(key(1)) == 0
+    assert w.pool.num_free == w.pool.num_blocks
+
+
+@pytest.mark.parametrize("n_inflight", [1, 2])
+def test_deferred_teardown_while_outputs_in_flight(n_inflight: int) -> None:
+    w, spy = make(mcb=2)
+    t = oracle(25)
+    w.begin_step(meta({"a": 0}, {"a": [1]}))
+    pending = [prepare(w, [("a", 0, t[:4])])]
+    if n_inflight == 2:
+        w.begin_step(meta({"a": 0}))
+        pending.append(prepare(w, [("a", 4, t[4:6])]))
+    w.begin_step(meta(finished=("a",)))
+    assert w.tracked_requests() == []
+    assert spy.references(key(1)) == 1, "keys stay pinned while an output covering the request is in flight"
+    out1 = w.process_output(pending[0], [1])
+    assert_emits(out1, "a", 0, t[:4])
+    assert stored(spy, key(1)) == t[:4].tobytes()
+    if n_inflight == 2:
+        assert spy.references(key(1)) == 1
+        out2 = w.process_output(pending[1], [1])
+        assert_emits(out2, "a", 4, t[4:6])
+    assert spy.references(key(1)) == 0
+    assert w.pool.num_free == w.pool.num_blocks
+    assert spy.contains([key(1)]) == [True]
+
+
+def test_replays_rejected_speculative_gap() -> None:
+    """§3.3: 5 tokens with 4 rejected → 1 row; start 5 with 3 of 4 rejected → re-attached at 1;
+    start 6 with 3 rows → attached at 2, block 0 published; capture cursor ends at 5."""
+    w, spy = make(mcb=2)
+    t = oracle(26)
+    j = junk(7)
+    assert not any(np.array_equal(j[i], t[k]) for i in range(7) for k in range(6))
+    w.begin_step(meta({"a": 0}))
+    p1 = prepare(w, [("a", 0, np.concatenate([t[0:1], j[0:4]]))])
+    w.begin_step(meta({"a": 0}))  # scheduled optimistically: all drafts assumed accepted
+    p2 = prepare(w, [("a", 5, np.concatenate([t[1:2], j[4:7]]))])
+    assert_emits(w.process_output(p1, [1], [4]), "a", 0, t[0:1])
+    w.begin_step(meta({"a": 1}, {"a": [1]}))
+    p3 = prepare(w, [("a", 6, t[2:5])])
+    assert_emits(w.process_output(p2, [1], [3]), "a", 1, t[1:2])
+    assert spy.contains([key(1)]) == [False]
+    assert_emits(w.process_output(p3, [1], [0]), "a", 2, t[2:5])
+    assert stored(spy, key(1)) == t[:4].tobytes()
+    # the capture cursor is 5: the next step continues there, one that starts earlier is rejected
+    out = run(w, meta({"a": 5}), [("a", 5, t[5:6])], [1])
+    assert_emits(out, "a", 5, t[5:6])
+    w.begin_step(meta({"a": 6}))
+    p = prepare(w, [("a", 5, t[5:6])])
+    with pytest.raises(InvariantError, match="capture moved backwards"):
+        w.process_output(p, [1])
+
+
+def test_does_not_rematerialize_emitted_rows() -> None:
+    w, spy = make(mcb=2)
+    t = oracle(27)
+    w.begin_step(meta({"a": 0}, {"a": [1]}))
+    p1 = prepare(w, [("a", 0, t[:5])])
+    w.begin_step(meta({"a": 0}))  # stale emit start from an async schedule
+    p2 = prepare(w, [("a", 5, t[5:6])])
+    assert_emits(w.process_output(p1, [1]), "a", 0, t[:5])
+    assert_emits(w.process_output(p2, [1]), "a", 5, t[5:6])
+    # settled now; a stale (lagging) emit start is still fine and nothing is re-emitted
+    assert_emits(run(w, meta({"a": 0}), [("a", 6, t[6:7])], [1]), "a", 6, t[6:7])
+    assert spy.gets == []
+
+
+def test_resumes_from_scheduler_emit_boundary() -> None:
+    w, spy = make()
+    t = oracle(28)
+    run(w, meta({"p": 0}, {"p": [1]}), [("p", 0, t[:4])], [1])  # another request cached block 0
+    out = run(w, meta({"a": 4}, {"a": [1]}), [("a", 4, t[4:5])], [1])
+    assert_emits(out, "a", 4, t[4:5])
+    assert_emits(run(w, meta({"a": 5}), [("a", 5, t[5:6])], [1]), "a", 5, t[5:6])
+    assert spy.gets == []
+
+
+def test_resumed_request_recomputes_without_emitting_returned_rows() -> None:
+    w, spy = make()
+    t = oracle(29)
+    out = run(w, meta({"a": 6}, {"a": [1]}), [("a", 0, t[:7])], [1])  # recompute after preemption
+    assert_emits(out, "a", 6, t[6:7])
+    assert stored(spy, key(1)) == t[:4].tobytes()
+    assert spy.gets == []
+
+
+def test_emits_mid_block_chunked_prefill() -> None:
+    w, _ = make()
+    t = oracle(30)
+    out = run(w, meta({"a": 0}), [("a", 0, t[:2])], [0])
+    assert out.rows_for("a") is None and int(out.lo[0]) == -1
+    out = run(w, meta({"a": 0}), [("a", 2, t[2:3])], [1])
+    assert_emits(out, "a", 0, t[:3])
+
+
+def test_emits_published_block_and_mid_block_tail() -> None:
+    w, spy = make()
+    t = oracle(31)
+    out = run(w, meta({"a": 0}, {"a": [1]}), [("a", 0, t[:6])], [0])
+    assert out.rows_for("a") is None
+    assert stored(spy, key(1)) == t[:4].tobytes()
+    out = run(w, meta({"a": 0}), [("a", 6, t[6:7])], [1])
+    assert_emits(out, "a", 0, t[:7])
+    assert spy.gets == [[key(1)]]
+
+
+def test_chunked_prefill_across_unkeyed_staged_blocks() -> None:
+    w, spy = make()
+    t = oracle(32)
+    run(w, meta({"a": 0}), [("a", 0, t[:6])], [0])  # block 0 staged (no hash), rows 4..5 in the tail
+    run(w, meta({"a": 0}), [("a", 6, t[6:9])], [0])  # completes block 1 (staged), opens a tail at 8
+    out = run(w, meta({"a": 0}), [("a", 9, t[9:10])], [1])
+    assert_emits(out, "a", 0, t[:10])
+    assert spy.gets == []
+
+
+def test_output_does_not_alias_released_tail_buffer() -> None:
+    w, _ = make()
+    ta, tb = oracle(33), oracle(34)
+    run(w, meta({"a": 0}), [("a", 0, ta[:2])], [0])
+    out = run(w, meta({"a": 0}), [("a", 2, ta[2:3])], [1])
+    rows_a = assert_emits(out, "a", 0, ta[:3])
+    assert not np.shares_memory(rows_a, w.pool.blocks)
+    w.begin_step(meta(finished=("a",)))
+    run(w, meta({"b": 0}), [("b", 0, tb[:3])], [0])  # reuses the freed tail slot
+    run(w, meta({"b": 0}), [("b", 3, tb[3:7])], [0])
+    assert np.array_equal(rows_a, ta[:3])
+
+
+def test_matches_kv_eviction_order_after_requests_finish() -> None:
+    w, spy = make(capacity=3)
+    plan = {"s": [0], "ab": [1, 2], "c": [3], "d": [4]}
+    for n, (rid, ids) in enumerate(plan.items()):
+        t = oracle(40 + n)
+        k = BS * len(ids)
+        assert_emits(run(w, meta({rid: 0}, {rid: ids}), [(rid, 0, t[:k])], [1]), rid, 0, t[:k])
+        w.begin_step(meta(finished=(rid,)))
+    assert spy.contains([key(i) for i in range(5)]) == [False, True, False, True, True]
+    with pytest.raises(ObjectMissingError) as ei:
+        spy.inner.get_concatenated([key(1), key(2)])
+    assert ei.value.keys == [key(2)]
+    assert stored(spy, key(1)) == oracle(41)[:4].tobytes()
+    assert w.dropped_batches == 0
+
+
+def test_missing_cached_prefix_fails_only_that_request() -> None:
+    w, spy = make()
+    sc = SchedulerConnector()
+    th, tok = oracle(50), oracle(51)
+    hit, ok = Req("hit", 10, 0, [h(1), h(2)]), Req("ok", 3)
+    live = {"hit": hit, "ok": ok}
+    w.begin_step(sc.build_metadata(["hit", "ok"], live))
+    out = w.process_output(prepare(w, [("hit", 8, th[8:10]), ("ok", 0, tok[:3])]), [1, 1])
+    assert out.rows_for("hit") is None
+    err = out.errors["hit"]
+    assert "ObjectMissingError" in err and key(1) in err and "max_bytes" in err
+    hit.num_tokens, hit.num_output_tokens = 11, 1
+    ok.num_tokens, ok.num_output_tokens = 4, 1
+    with pytest.raises(RoutesUnavailableError, match="'hit'") as ei:
+        sc.take_output(out, hit)
+    assert key(1) in ei.value.reason
+    got = sc.take_output(out, ok)
+    assert got is not None and np.array_equal(got, tok[:3])
+    # the engine keeps serving: the failed request is dropped, the other one decodes on
+    sc.request_finished(hit)
+    del live["hit"]
+    w.begin_step(sc.build_metadata(["ok"], live))
+    assert w.tracked_requests() == ["ok"]
+    assert spy.references(key(1)) == 0 and spy.references(key(2)) == 0
+    out = w.process_output(prepare(w, [("ok", 3, tok[3:4])]), [1])
+    ok.num_tokens, ok.num_output_tokens = 5, 2
+    got = sc.take_output(out, ok)
+    assert got is not None and np.array_equal(got, tok[3:4])
+
+
+def test_releases_terminal_pins_before_same_step_publish() -> None:
+    w, spy = make(capacity=1)
+    tv, tp = oracle(60), oracle(61)
+    out = run(w, meta({"v": 0, "p": 0}, {"v": [1]}), [("v", 0, tv[:4]), ("p", 0, tp[:4])], [1, 1])
+    assert_emits(out, "v", 0, tv[:4])
+    assert_emits(out, "p", 0, tp[:4])
+    assert spy.references(key(1)) == 1 and spy.contains([key(1)]) == [True]
+    w.begin_step(meta({}, {"p": [2]}, finished=("v",)))  # v's release and p's publish in one put
+    assert spy.contains([key(1), key(2)]) == [False, True]
+    assert stored(spy, key(2)) == tp[:4].tobytes()
+    assert w.dropped_batches == 0
+
+
+def test_capacity_rejected_publication_is_dropped_and_reads_fail_closed() -> None:
+    w, spy = make(capacity=1)
+    t = oracle(62)
+    out = run(w, meta({"a": 0}, {"a": [1, 2]}), [("a", 0, t[:8])], [1])
+    assert_emits(out, "a", 0, t[:8])  # rows of this step are still emitted
+    assert w.dropped_batches == 1
+    assert spy.contains([key(1), key(2)]) == [False, False]
+    out = run(w, meta({"b": 0}, {"b": [1, 2]}), [("b", 8, t[8:9])], [1])
+    assert out.rows_for("b") is None and "missing from the store" in out.errors["b"]
+
+
+@pytest.mark.parametrize("chunk", [2, 4])
+@pytest.mark.parametrize("max_tokens", [1, 2])
+def test_prompt_start_equal_to_prompt_length(chunk: int, max_tokens: int) -> None:
+    w, _ = make()
+    sc = SchedulerConnector()
+    t = oracle(63)
+    sc.add_request("r", prompt_len=4, prompt_start=4)
+    r = Req("r", 4, 0, [h(1)])
+    for start in range(0, 4, chunk):
+        m = sc.build_metadata(["r"], {"r": r})
+        assert m.requests == {"r": 4}
+        w.begin_step(m)
+        samples = start + chunk == 4
+        out = w.process_output(prepare(w, [("r", start, t[start : start + chunk])]), [int(samples)])
+        if not samples:
+            assert out.rows_for("r") is None
+    r.num_tokens, r.num_output_tokens = 5, 1
+    first = sc.take_output(out, r, finished=max_tokens == 1)
+    assert first is not None and first.shape == (0, 3, 2) and first.dtype == PROF.dtype
+    if max_tokens == 2:
+        m = sc.build_metadata(["r"], {"r": r})
+        assert m.requests == {"r": 4}
+        w.begin_step(m)
+        out = w.process_output(prepare(w, [("r", 4, t[4:5])]), [1])
+        r.num_tokens, r.num_output_tokens = 6, 2
+        second = sc.take_output(out, r, finished=True)
+        assert second is not None and np.array_equal(second, t[4:5])
+    sc.request_finished(r)
+    w.begin_step(sc.build_metadata([], {}))
+    assert w.tracked_requests() == []
+
+
+def test_ignores_cuda_graph_padding_entries() -> None:
+    w, _ = make()
+    ta, tb = oracle(64), oracle(65)
+    w.begin_step(meta({"a": 0, "b": 0}))
+    rows = np.concatenate([ta[:1], tb[:1], junk(2)])  # padded snapshot
+    p = w.prepare_output(["a", "b"], np.array([0, 0, 0, 0]), np.array([0, 1, 2, 2, 2]), rows)
+    assert p is not None
+    out = w.process_output(p, np.array([1, 1, 0]), np.array([0, 0, 0]))
+    assert_emits(out, "a", 0, ta[:1])
+    assert_emits(out, "b", 0, tb[:1])
+
+
+def test_internal_warmup_step_produces_no_output() -> None:
+    w, spy = make()
+    w.begin_step(None)
+    assert w.prepare_output(["x"], [0], [0, 1], junk(1)) is None
+    assert w.num_inflight == 0 and w.tracked_requests() == []
+    t = oracle(66)
+    assert_emits(run(w, meta({"a": 0}), [("a", 0, t[:3])], [1]), "a", 0, t[:3])
+    w.begin_step(None)  # a dummy run between real steps
+    assert w.prepare_output(["a"], [3], [0, 1], t[3:4]) is None
+    assert w.num_inflight == 0
+    assert_emits(run(w, meta({"a": 3}), [("a", 3, t[3:4])], [1]), "a", 3, t[3:4])
+    assert spy.puts == []
+
+
+def test_re_announced_request_gets_a_fresh_incarnation() -> None:
+    w, spy = make(mcb=2)
+    t = oracle(67)
+    w.begin_step(meta({"a": 0}, {"a": [1]}))
+    p1 = prepare(w, [("a", 0, t[:4])])
+    w.begin_step(meta(finished=("a",)))  # preempted while step 1 is in flight
+    w.begin_step(meta({"a": 4}, {"a": [1]}))  # resumed at once: a new incarnation
+    assert w.tracked_requests() == ["a"]
+    p2 = prepare(w, [("a", 0, t[:5])])  # recompute from 0; rows before 4 were already returned
+    assert_emits(w.process_output(p1, [1]), "a", 0, t[:4])
+    assert spy.references(key(1)) == 1  # the old incarnation released its pin, the new one holds one
+    assert w.tracked_requests() == ["a"]
+    assert_emits(w.process_output(p2, [1]), "a", 4, t[4:5])
+    assert stored(spy, key(1)) == t[:4].tobytes()
+    assert_emits(run(w, meta({"a": 5}), [("a", 5, t[5:6])], [1]), "a", 5, t[5:6])
+    w.begin_step(meta(finished=("a",)))
+    assert spy.references(key(1)) == 0 and w.tracked_requests() == []
+    assert w.pool.num_free == w.pool.num_blocks
+
+
+def test_generation_bump_uses_new_namespace() -> None:
+    w, spy = make()
+    t = oracle(68)
+    run(w, meta({"a": 0}, {"a": [1]}), [("a", 0, t[:5])], [1])
+    w.begin_step(meta({}, generation=1))
+    assert spy.references(key(1)) == 0 and w.tracked_requests() == []
+    # a surviving request is re-announced with all hashes; its old routes are never served
+    out = run(w, meta({"b": 0}, {"b": [1]}, generation=1), [("b", 4, t[4:6])], [1])
+    assert out.rows_for("b") is None and key(1, 1) in out.errors["b"]
+    assert spy.contains([key(1, 0), key(1, 1)]) == [True, False]
+
+
+def test_many_requests_grow_slot_arrays() -> None:
+    w, spy = make(max_num_seqs=2, max_num_batched_tokens=64)
+    n = 20  # more live requests than the initial slot arrays hold
+    ids = [f"r{i}" for i in range(n)]
+    ts = [oracle(100 + i) for i in range(n)]
+    hashes = {r: [10 * i + 1, 10 * i + 2] for i, r in enumerate(ids)}
+    out = run(w, meta(dict.fromkeys(ids, 0), hashes), [(r, 0, t[:4]) for r, t in zip(ids, ts)], [1] * n)
+    for r, t in zip(ids, ts):
+        assert_emits(out, r, 0, t[:4])
+    out = run(w, meta({r: 4 for r in ids}), [(r, 4, t[4:8]) for r, t in zip(ids, ts)], [1] * n)
+    for i, (r, t) in enumerate(zip(ids, ts)):
+        assert_emits(out, r, 4, t[4:8])
+        assert stored(spy, key(10 * i + 1), key(10 * i + 2)) == t[:8].tobytes()
+    assert sorted(w.tracked_requests()) == sorted(ids)
+
+
+def test_background_store_end_to_end_prefix_reuse() -> None:
+    bg = BackgroundStore(ArenaStore(16 * OBJ, OBJ), max_pending=4)
+    w = WorkerConnector(PROF, block_size=BS, store=bg, max_num_seqs=4, max_num_batched_tokens=32)
+    t = oracle(69)
+    assert_emits(run(w, meta({"a": 0}, {"a": [1, 2]}), [("a", 0, t[:9])], [1]), "a", 0, t[:9])
+    w.begin_step(meta(finished=("a",)))
+    out = run(w, meta({"b": 0}, {"b": [1, 2]}), [("b", 8, t[8:10])], [1])
+    assert_emits(out, "b", 0, t[:10])
+    w.close()
+    with pytest.raises(Exception, match="closed"):
+        bg.get_concatenated([key(1)])
+
+
+def test_prefix_hit_with_prompt_start_inside_cached_prefix() -> None:
+    w, spy = make()
+    t = oracle(70)
+    run(w, meta({"p": 0}, {"p": [1, 2]}), [("p", 0, t[:8])], [0])
+    out = run(w, meta({"a": 2}, {"a": [1, 2]}), [("a", 8, t[8:10])], [1])
+    assert_emits(out, "a", 2, t[2:10])
+    assert spy.gets == [[key(1), key(2)]]
+    out = run(w, meta({"b": 6}, {"b": [1, 2]}), [("b", 8, t[8:9])], [1])
+    assert_emits(out, "b", 6, t[6:9])
+    assert spy.gets[-1] == [key(2)]  # only the block holding rows 6..7 is read
+
+
+def test_opted_out_request_publishes_but_never_emits() -> None:
+    w, spy = make()
+    sc = SchedulerConnector()
+    sc.add_request("r", prompt_len=8, return_routes=False)
+    t = oracle(71)
+    r = Req("r", 8, 0, [h(1), h(2)])
+    w.begin_step(sc.build_metadata(["r"], {"r": r}))
+    out = w.process_output(prepare(w, [("r", 0, t[:8])]), [1])
+    assert out.rows_for("r") is None and out.errors == {}
+    r.num_tokens, r.num_output_tokens = 9, 1
+    assert sc.take_output(out, r) is None
+    assert stored(spy, key(1), key(2)) == t[:8].tobytes()  # still reusable by other requests
+
+
+def test_non_contiguous_snapshot_is_handled() -> None:
+    w, spy = make()
+    t = oracle(72)
+    fortran = np.asfortranarray(t[:6])
+    assert not fortran.flags.c_contiguous
+    w.begin_step(meta({"a": 0}, {"a": [1]}))
+    p = w.prepare_output(["a"], [0], [0, 6], fortran)
+    assert p is not None
+    assert_emits(w.process_output(p, [1]), "a", 0, t[:6])
+    assert stored(spy, key(1)) == t[:4].tobytes()
+
+
+def test_empty_step_and_non_sampling_step() -> None:
+    w, _ = make()
+    w.begin_step(meta({}))
+    p = w.prepare_output([], [], [0], PROF.empty(0))
+    assert p is not None
+    out = w.process_output(p, [])
+    assert out.req_ids == [] and len(out.rows) == 0
+    t = oracle(73)
+    out = run(w, meta({"a": 0}), [("a", 0, t[:3])], [0])
+    assert out.rows_for("a") is None
+
+
+def test_rejected_metadata_creates_no_state_for_other_requests() -> None:
+    w, spy = make()
+    w.begin_step(meta({"a": 0}))
+    with pytest.raises(InvariantError, match="emit cursor moved ahead .*'a'"):
+        w.begin_step(meta({"b": 0, "a": 2}, {"b": [1]}))
+    assert w.tracked_requests() == ["a"] and spy.puts == []
+    t = oracle(74)
+    out = run(w, meta({"b": 0, "a": 0}, {"b": [1]}), [("b", 0, t[:4]), ("a", 0, t[:2])], [1, 1])
+    assert_emits(out, "b", 0, t[:4])
+    assert_emits(out, "a", 0, t[:2])
