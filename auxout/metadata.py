@@ -31,9 +31,11 @@ class StepMetadata:
 class StepOutput:
     """Worker → scheduler, once per executed step: one rows array plus per-request spans.
 
-    Request ``req_ids[i]`` emitted ``rows[lo[i]:hi[i]]`` for positions starting at
-    ``token_starts[i]``; ``lo[i] == -1`` means it emitted nothing this step. ``errors`` holds
-    a message for requests whose routes could not be assembled (e.g. evicted prefix objects).
+    Request ``req_ids[i]`` emitted rows ``lo[i]:hi[i]`` of ``rows`` followed by ``extra``
+    (``rows`` is the step's snapshot, never copied; ``extra`` holds rows assembled from before
+    the step, e.g. a cached prefix) for positions starting at ``token_starts[i]``; ``lo[i] == -1``
+    means it emitted nothing this step. ``errors`` holds a message for requests whose routes
+    could not be assembled (e.g. evicted prefix objects).
     """
 
     req_ids: list[str]
@@ -42,6 +44,7 @@ class StepOutput:
     hi: np.ndarray
     rows: np.ndarray
     errors: dict[str, str] = field(default_factory=dict)
+    extra: np.ndarray | None = None
     _spans: dict[str, tuple[int, int, int]] | None = None
 
     def span(self, request_id: str) -> tuple[int, int, int] | None:
@@ -58,11 +61,19 @@ class StepOutput:
     def rows_for(self, request_id: str) -> tuple[int, np.ndarray] | None:
         """``(token_start, rows)`` emitted for one request this step, or None."""
         sp = self.span(request_id)
-        return None if sp is None else (sp[0], self.rows[sp[1] : sp[2]])
+        return None if sp is None else (sp[0], self.slice(sp[1], sp[2]))
+
+    def slice(self, lo: int, hi: int) -> np.ndarray:
+        """Rows ``lo:hi`` of ``rows`` followed by ``extra`` (a span never straddles the two)."""
+        n = len(self.rows)
+        if hi <= n:
+            return self.rows[lo:hi]
+        assert self.extra is not None
+        return self.extra[lo - n : hi - n]
 
     def __getstate__(self) -> tuple:
-        return (self.req_ids, self.token_starts, self.lo, self.hi, self.rows, self.errors)
+        return (self.req_ids, self.token_starts, self.lo, self.hi, self.rows, self.errors, self.extra)
 
     def __setstate__(self, state: tuple) -> None:
-        self.req_ids, self.token_starts, self.lo, self.hi, self.rows, self.errors = state
+        self.req_ids, self.token_starts, self.lo, self.hi, self.rows, self.errors, self.extra = state
         self._spans = None

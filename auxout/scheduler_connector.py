@@ -157,7 +157,7 @@ class SchedulerConnector:
                 f"worker output has an invalid token range for request {rid!r}: accepted end "
                 f"{request.num_tokens - 1}, rows cover [{token_start}, {token_start + hi - lo})"
             )
-        return output.rows[lo : lo + local_end]
+        return output.slice(lo, lo + local_end)
 
     def reset(self) -> None:
         """After a successful prefix-cache reset: new generation, everything re-sent."""

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from auxout.errors import BlockStoreError, InvariantError, StoreCapacityError
+from auxout.errors import BlockStoreError, CorruptObjectError, InvariantError, StoreCapacityError
 from auxout.keys import KeySpace
 from auxout.metadata import StepMetadata, StepOutput
 from auxout.profile import RouteProfile
@@ -508,27 +508,27 @@ class WorkerConnector:
         lo[fast] = qs[fast] + (emit[fast] - cap[fast])
         hi[fast] = qs[fast] + kept[fast]
         self._emit[slots[do_emit]] = end[do_emit]
-        out_rows = rows
         errors: dict[str, str] = {}
+        extra = self.profile.empty(0)
         slow = np.flatnonzero(do_emit & (emit < cap))
         if len(slow):
-            extra: list[np.ndarray] = []
-            offset = len(rows)
-            for i in slow.tolist():
-                rid = p.req_ids[i]
+            # rows emitted from before this step (cached prefix, earlier chunks): one buffer,
+            # filled in place straight from the store, then this step's own rows
+            sizes = (cap[slow] - emit[slow]) + kept[slow]
+            extra = self.profile.empty(int(sizes.sum()))
+            offset = 0
+            for i, size in zip(slow.tolist(), sizes.tolist()):
+                n_before = int(cap[i] - emit[i])
                 try:
-                    before = self._read(int(slots[i]), int(emit[i]), int(cap[i]))
+                    self._read_into(int(slots[i]), int(emit[i]), int(cap[i]), extra[offset : offset + n_before])
                 except BlockStoreError as exc:
-                    errors[rid] = f"{type(exc).__name__}: {exc}"
+                    errors[p.req_ids[i]] = f"{type(exc).__name__}: {exc}"
                     continue
-                mine = rows[int(qs[i]) : int(qs[i] + kept[i])]
-                lo[i] = offset
-                hi[i] = offset + len(before) + len(mine)
-                offset = int(hi[i])
-                extra += [before, mine]
-            if extra:
-                out_rows = np.concatenate([rows, *extra])
-        return StepOutput(list(p.req_ids), emit.copy(), lo, hi, out_rows, errors)
+                extra[offset + n_before : offset + size] = rows[int(qs[i]) : int(qs[i] + kept[i])]
+                lo[i] = len(rows) + offset
+                hi[i] = len(rows) + offset + size
+                offset += size
+        return StepOutput(list(p.req_ids), emit.copy(), lo, hi, rows, errors, extra)
 
     def _check_rows(self, p: PendingStep, n_exec: np.ndarray, rejected: np.ndarray) -> None:
         if not ((n_exec <= 0) | (rejected < 0) | (rejected > n_exec)).any():
@@ -545,34 +545,47 @@ class WorkerConnector:
                 f"which executed {int(n_exec[i])} tokens"
             )
 
-    def _read(self, s: int, t0: int, t1: int) -> np.ndarray:
-        """Rows ``[t0, t1)`` of slot ``s`` captured in earlier steps: store first, then staging."""
+    def _read_into(self, s: int, t0: int, t1: int, out: np.ndarray) -> None:
+        """Copy rows ``[t0, t1)`` of slot ``s`` (captured in earlier steps) into ``out``.
+
+        Complete keyed blocks come from the store, the rest from the staging pool.
+        """
         bs = self.block_size
         keys = self._keys[s]
-        parts: list[np.ndarray] = []
-        stored_end = min(t1, min(len(keys), self._capture[s] // bs) * bs)
+        stored_end = min(t1, min(len(keys), int(self._capture[s]) // bs) * bs)
+        pos = t0
         if t0 < stored_end:
             b0, b1 = t0 // bs, -(-stored_end // bs)
-            blob = self.store.get_concatenated(keys[b0:b1])
-            arr = np.frombuffer(blob, dtype=self.profile.dtype).reshape(-1, *self.profile.shape_per_token)
-            if len(arr) != (b1 - b0) * bs:
-                raise BlockStoreError(f"store returned {len(arr)} rows for {b1 - b0} blocks of {bs}")
-            parts.append(arr[t0 - b0 * bs : stored_end - b0 * bs])
-            t0 = stored_end
+            if t0 % bs == 0 and stored_end % bs == 0:  # aligned: the store writes into `out` directly
+                self._store_read(keys[b0:b1], out[: stored_end - t0])
+            else:
+                tmp = self.profile.empty((b1 - b0) * bs)
+                self._store_read(keys[b0:b1], tmp)
+                out[: stored_end - t0] = tmp[t0 - b0 * bs : stored_end - b0 * bs]
+            pos = stored_end
         tail_blk = int(self._capture[s]) // bs if self._tail[s] >= 0 else -1
-        while t0 < t1:
-            b = t0 // bs
+        while pos < t1:
+            b = pos // bs
             slot = self._staged[s].get(b, -1)
             if slot < 0 and b == tail_blk:
                 slot = int(self._tail[s])
             if slot < 0:
-                raise InvariantError(f"rows [{t0}, {t1}) of request {self._rid[s]!r} are neither stored nor staged")
+                raise InvariantError(f"rows [{pos}, {t1}) of request {self._rid[s]!r} are neither stored nor staged")
             hi = min(t1, (b + 1) * bs)
-            parts.append(self.pool.blocks[slot, t0 - b * bs : hi - b * bs])
-            t0 = hi
-        if not parts:
-            return self.profile.empty(0)
-        return np.concatenate(parts)
+            out[pos - t0 : hi - t0] = self.pool.blocks[slot, pos - b * bs : hi - b * bs]
+            pos = hi
+
+    def _store_read(self, keys: list[str], out: np.ndarray) -> None:
+        """Fill ``out`` (C-contiguous rows) with the payloads of ``keys``, checking the length."""
+        view = memoryview(out.reshape(-1).view(np.uint8).data)  # type: ignore[arg-type]
+        reader = getattr(self.store, "read_into", None)
+        if reader is not None:
+            reader(keys, view)
+            return
+        blob = self.store.get_concatenated(keys)
+        if len(blob) != view.nbytes:
+            raise CorruptObjectError(f"store returned {len(blob)} bytes for {len(keys)} blocks; expected {view.nbytes}")
+        view[:] = blob
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _check_open(self) -> None:

@@ -15,7 +15,13 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from auxout.errors import InvariantError, ObjectMissingError, StoreCapacityError, StoreClosedError
+from auxout.errors import (
+    CorruptObjectError,
+    InvariantError,
+    ObjectMissingError,
+    StoreCapacityError,
+    StoreClosedError,
+)
 from auxout.stores.base import StoreObject, check_payload
 from auxout.stores.policy import EvictionPolicy
 
@@ -83,15 +89,22 @@ class ArenaStore:
             if excess > 0:
                 terminal_set = set(terminal)
                 self._evict(excess, {k for k in unique if k not in terminal_set}, unique)
-            for key, view in unique.items():
-                slot = lru.get(key)
-                if slot != _UNWRITTEN:
-                    continue  # already stored (first write wins) or dropped as a terminal victim
+            new = [(k, v) for k, v in unique.items() if lru.get(k) == _UNWRITTEN]
+            if not new:
+                return  # all already stored (first write wins) or dropped as terminal victims
+            slots = []
+            for key, _ in new:
                 slot = self._free.pop() if self._free else self._take_next_slot()
-                n = view.nbytes
-                arena[slot, :n] = np.frombuffer(view, dtype=np.uint8)
-                self._lengths[slot] = n
                 lru[key] = slot
+                slots.append(slot)
+            idx = np.asarray(slots, dtype=np.int64)
+            sizes = [v.nbytes for _, v in new]
+            self._lengths[idx] = sizes
+            if min(sizes) == self.object_nbytes:  # one gather of the payloads, one scatter
+                arena[idx] = np.frombuffer(b"".join(v for _, v in new), dtype=np.uint8).reshape(len(new), -1)
+            else:
+                for slot, (_, v) in zip(slots, new):
+                    arena[slot, : v.nbytes] = np.frombuffer(v, dtype=np.uint8)
 
     def get_concatenated(self, keys: Sequence[str]) -> bytes:
         with self._lock:
@@ -101,12 +114,7 @@ class ArenaStore:
             lru = self._lru
             slots = [lru.get(k, _UNWRITTEN) for k in keys]
             if _UNWRITTEN in slots:
-                missing = [k for k, s in zip(keys, slots) if s == _UNWRITTEN]
-                raise ObjectMissingError(
-                    missing,
-                    f"the object may have been evicted (used={len(lru)}, limit={self.num_slots} objects); "
-                    "increase the store's max_bytes when a KV cache hit requires it",
-                )
+                raise self._missing(keys, slots)
             idx = np.asarray(slots, dtype=np.int64)
             lengths = self._lengths[idx]
             if (lengths == self.object_nbytes).all():
@@ -116,6 +124,38 @@ class ArenaStore:
             for k in keys:
                 lru.move_to_end(k)
             return out
+
+    def read_into(self, keys: Sequence[str], out: memoryview) -> None:
+        """Like ``get_concatenated`` but copies straight into ``out`` (one copy, no bytes object)."""
+        with self._lock:
+            arena = self._check_open()
+            lru = self._lru
+            slots = [lru.get(k, _UNWRITTEN) for k in keys]
+            if _UNWRITTEN in slots:
+                raise self._missing(keys, slots)
+            idx = np.asarray(slots, dtype=np.int64)
+            lengths = self._lengths[idx]
+            dst = np.frombuffer(out, dtype=np.uint8)
+            if int(lengths.sum()) != dst.nbytes:
+                raise CorruptObjectError(f"{len(keys)} objects hold {int(lengths.sum())} bytes; the reader expects {dst.nbytes}")
+            if (lengths == self.object_nbytes).all():
+                # mode="clip": indices are valid, and "raise" with out= copies through a temporary
+                np.take(arena, idx, axis=0, out=dst.reshape(len(idx), self.object_nbytes), mode="clip")
+            else:
+                pos = 0
+                for s, n in zip(slots, lengths.tolist()):
+                    dst[pos : pos + n] = arena[s, :n]
+                    pos += n
+            for k in keys:
+                lru.move_to_end(k)
+
+    def _missing(self, keys: Sequence[str], slots: list[int]) -> ObjectMissingError:
+        missing = [k for k, s in zip(keys, slots) if s == _UNWRITTEN]
+        return ObjectMissingError(
+            missing,
+            f"the object may have been evicted (used={len(self._lru)}, limit={self.num_slots} objects); "
+            "increase the store's max_bytes when a KV cache hit requires it",
+        )
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
         with self._lock:

@@ -1,7 +1,8 @@
 """Moves store mutations off the engine's step path onto one writer thread.
 
-Back-pressure: at most ``max_pending`` batches wait; a producer blocks beyond that. Reads
-drain the queue first, so they observe every earlier write (read-your-writes). A writer
+Back-pressure: at most ``max_pending`` batches wait; a producer blocks beyond that. A read
+waits for the queue to drain only when one of its keys is still queued, so it observes every
+earlier write of those keys (read-your-writes) without stalling behind unrelated work. A writer
 failure is sticky: later batches are skipped (fail closed) and every later call raises. The one
 exception is ``StoreCapacityError``: the inner store rejected that batch whole and stayed
 consistent, so the batch is counted in ``dropped_batches`` and later reads of its keys fail
@@ -14,7 +15,7 @@ import queue
 import threading
 from collections.abc import Iterable, Sequence
 
-from auxout.errors import PublicationError, StoreCapacityError, StoreClosedError
+from auxout.errors import CorruptObjectError, PublicationError, StoreCapacityError, StoreClosedError
 from auxout.stores.base import BlockStore, StoreObject
 
 _Item = tuple[Sequence[StoreObject], tuple[str, ...], tuple[str, ...]]
@@ -34,6 +35,8 @@ class BackgroundStore:
         self.last_drop: StoreCapacityError | None = None
         self._closed = False
         self._close_lock = threading.Lock()
+        self._queued: dict[str, int] = {}  # keys with a write still in the queue
+        self._queued_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="auxout-store-writer", daemon=True)
         self._thread.start()
 
@@ -46,14 +49,31 @@ class BackgroundStore:
         if self._closed:
             raise StoreClosedError("BackgroundStore")
         self._raise_if_failed()
+        if objects:
+            with self._queued_lock:
+                q = self._queued
+                for key, _ in objects:
+                    q[key] = q.get(key, 0) + 1
         self._queue.put((objects, retain_t, release_t))
 
     def get_concatenated(self, keys: Sequence[str]) -> bytes:
-        self._drain()
+        self._drain_for(keys)
         return self.inner.get_concatenated(keys)
 
+    def read_into(self, keys: Sequence[str], out: memoryview) -> None:
+        """Copy payloads into ``out`` (inner ``read_into`` when it has one)."""
+        self._drain_for(keys)
+        reader = getattr(self.inner, "read_into", None)
+        if reader is not None:
+            reader(keys, out)
+            return
+        blob = self.inner.get_concatenated(keys)
+        if len(blob) != out.nbytes:
+            raise CorruptObjectError(f"{len(keys)} objects hold {len(blob)} bytes; the reader expects {out.nbytes}")
+        out[:] = blob
+
     def contains(self, keys: Sequence[str]) -> list[bool]:
-        self._drain()
+        self._drain_for(keys)
         return self.inner.contains(keys)
 
     def flush(self) -> None:
@@ -78,6 +98,14 @@ class BackgroundStore:
         self._queue.join()
         self._raise_if_failed()
 
+    def _drain_for(self, keys: Sequence[str]) -> None:
+        if self._closed:
+            raise StoreClosedError("BackgroundStore")
+        q = self._queued
+        if q and any(k in q for k in keys):
+            self._queue.join()
+        self._raise_if_failed()
+
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             raise PublicationError(f"route publication failed on the writer thread: {self._error}") from (
@@ -90,9 +118,20 @@ class BackgroundStore:
             try:
                 if item is None:
                     return
-                if self._error is None:
-                    objects, retain, release = item
-                    self.inner.put(objects, retain=retain, release=release)
+                objects, retain, release = item
+                try:
+                    if self._error is None:
+                        self.inner.put(objects, retain=retain, release=release)
+                finally:
+                    if objects:
+                        with self._queued_lock:
+                            q = self._queued
+                            for key, _ in objects:
+                                n = q[key] - 1
+                                if n:
+                                    q[key] = n
+                                else:
+                                    del q[key]
             except StoreCapacityError as exc:
                 self.dropped_batches += 1
                 self.last_drop = exc

@@ -1,0 +1,629 @@
+"""Data-plane benchmark: auxout's connector pair vs. vLLM 0.32's in-tree aux-output connectors.
+
+Drives the scheduler connector, the worker connector and an ``ArenaStore`` wrapped in a
+``BackgroundStore`` exactly as an engine would (see ``auxout/testing/sim_engine.py``), with no
+model: every request's routed-expert rows are random ``uint8`` arrays generated up front.
+The same precomputed schedule and the same rows are replayed through vLLM's
+``vllm.distributed.aux_output_connector`` (built without a GPU, as its tests do).
+
+Workloads (profile 48 layers x top-8 uint8, hash block 16, max_num_seqs 256, budget 8192):
+
+(a) decode      256 requests x 1 token/step after an untimed prefill warm-up; block hashes
+                grow every 16 tokens, staggered so ~16 requests complete a block per step.
+(b) prefill     8 new requests x 1,024 prompt tokens per step, each finishing after 1 token.
+(c) multi-turn  64 conversations x 6 turns; each prompt = history + 256 new tokens, routes
+                returned from position 0, so every later turn materializes its cached prefix.
+
+Only connector/store work is timed (``time.perf_counter`` around the connector calls of each
+step, plus the final terminal-event delivery and a store flush); building the step's rows and
+the engine's own bookkeeping are not. Reported numbers are medians over repeats, and auxout and
+vLLM runs are interleaved so machine noise hits both alike.
+
+    .venv/bin/python benchmarks/dataplane.py            # ~1-3 min on 2 cores
+    .venv/bin/python benchmarks/dataplane.py --quick    # ~20 s (+ vLLM import time)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import statistics
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from auxout.keys import KeySpace
+from auxout.metadata import StepOutput
+from auxout.profile import RouteProfile
+from auxout.scheduler_connector import SchedulerConnector
+from auxout.stores import ArenaStore, BackgroundStore
+from auxout.worker_connector import WorkerConnector
+
+PROFILE = RouteProfile(48, 8, 128)
+BLOCK = 16
+MAX_SEQS = 256
+MAX_BATCHED = 8192
+HASH_BYTES = 32
+STORE_OBJECTS = 16384  # 16384 x 6 KiB = 96 MiB per store (same for both implementations)
+TOKEN_NBYTES = PROFILE.token_nbytes
+_I64 = np.int64
+
+# Targets from the issue (same machine, same run).
+DECODE_MAX_COST_RATIO = 0.25  # auxout cost <= 1/4 of vLLM's
+PREFILL_MIN_GBPS = 3.0  # auxout route bytes >= 3 GB/s
+MULTITURN_MIN_SPEEDUP = 3.0  # auxout output rate >= 3x vLLM's
+
+
+# -- workload description (connector independent) ---------------------------------------------
+@dataclass
+class Spec:
+    """One request: its prompt, output budget, prefix-cache hit and the rows of every position."""
+
+    rid: str
+    prompt_len: int
+    max_tokens: int
+    cached: int  # block-aligned prefix hit at admission (0 = none)
+    hashes: list[bytes]  # chained block hashes of the full token sequence (shared by turns)
+    rows: np.ndarray  # routes of positions [0, prompt_len + max_tokens - 1)
+    follow: int = -1  # spec index queued once this request finishes (next conversation turn)
+    verify: bool = False
+
+
+@dataclass
+class SchedOut:
+    """The one field of vLLM's ``SchedulerOutput`` that its aux-output connector reads."""
+
+    num_scheduled_tokens: dict[str, int]
+
+
+@dataclass
+class Step:
+    admit: list[int]  # spec indices admitted (announced) this step
+    sched: list[int]  # spec indices scheduled, in batch order
+    rids: list[str]
+    counts: list[int]
+    starts: np.ndarray  # computed tokens before the step (int64)
+    qsl: np.ndarray  # query_start_loc (int64, n + 1)
+    sampled: np.ndarray  # int64, 1 where the request sampled a token
+    rejected: np.ndarray  # int64 zeros (no speculative decoding)
+    emitters: list[int]  # spec indices that sampled
+    finished: list[int]  # emitters that finished
+    out_rows: int  # rows the step returns to requests
+    sched_out: SchedOut
+
+
+@dataclass
+class Workload:
+    name: str
+    specs: list[Spec]
+    steps: list[Step]
+    t_start: int  # first timed step; earlier steps are an untimed warm-up
+
+    @property
+    def timed_steps(self) -> list[Step]:
+        return self.steps[self.t_start :]
+
+
+@dataclass
+class _SimState:
+    spec: Spec
+    computed: int = 0
+    num_tokens: int = 0
+    n_out: int = 0
+    emitted: int = 0
+
+
+def simulate(specs: list[Spec], initial: Sequence[int], max_steps: int) -> list[Step]:
+    """A plain engine scheduler (running first, then admission; chunked prefill; no spec decode)."""
+    waiting: deque[int] = deque(initial)
+    running: list[int] = []
+    state: dict[int, _SimState] = {}
+    steps: list[Step] = []
+    while (waiting or running) and len(steps) < max_steps:
+        budget = MAX_BATCHED
+        sched: list[int] = []
+        counts: list[int] = []
+        starts: list[int] = []
+        admit: list[int] = []
+        for i in running:
+            st = state[i]
+            n = min(st.num_tokens - st.computed, budget)
+            if n <= 0:
+                continue
+            sched.append(i)
+            counts.append(n)
+            starts.append(st.computed)
+            budget -= n
+        while waiting and budget > 0 and len(running) < MAX_SEQS:
+            i = waiting.popleft()
+            sp = specs[i]
+            st = state[i] = _SimState(sp, sp.cached, sp.prompt_len)
+            n = min(sp.prompt_len - sp.cached, budget)
+            running.append(i)
+            admit.append(i)
+            sched.append(i)
+            counts.append(n)
+            starts.append(st.computed)
+            budget -= n
+        sampled = np.zeros(len(sched), dtype=_I64)
+        emitters: list[int] = []
+        finished: list[int] = []
+        out_rows = 0
+        for k, (i, n) in enumerate(zip(sched, counts)):
+            st = state[i]
+            st.computed += n
+            if st.computed == st.num_tokens:
+                sampled[k] = 1
+                st.n_out += 1
+                st.num_tokens += 1
+                emitters.append(i)
+                out_rows += st.num_tokens - 1 - st.emitted
+                st.emitted = st.num_tokens - 1
+                if st.n_out == st.spec.max_tokens:
+                    finished.append(i)
+        for i in finished:
+            running.remove(i)
+            if specs[i].follow >= 0:
+                waiting.append(specs[i].follow)
+        rids = [specs[i].rid for i in sched]
+        qsl = np.zeros(len(sched) + 1, dtype=_I64)
+        np.cumsum(counts, out=qsl[1:])
+        steps.append(
+            Step(
+                admit, sched, rids, counts, np.array(starts, dtype=_I64), qsl, sampled,
+                np.zeros(len(sched), dtype=_I64), emitters, finished, out_rows,
+                SchedOut(dict(zip(rids, counts))),
+            )
+        )
+    return steps
+
+
+def _hashes(rng: np.random.Generator, n: int) -> list[bytes]:
+    blob = rng.bytes(HASH_BYTES * n)
+    return [blob[i : i + HASH_BYTES] for i in range(0, len(blob), HASH_BYTES)]
+
+
+def _rows(rng: np.random.Generator, n: int) -> np.ndarray:
+    return rng.integers(0, PROFILE.num_experts, size=(n, *PROFILE.shape_per_token), dtype=np.uint8)
+
+
+def _mark_verify(specs: list[Spec], n: int) -> None:
+    stride = max(1, len(specs) // n)
+    for sp in specs[::stride]:
+        sp.verify = True
+    specs[-1].verify = True
+
+
+def decode_workload(rng: np.random.Generator, n_steps: int, n_req: int = 256, prompt: int = 240) -> Workload:
+    specs: list[Spec] = []
+    for i in range(n_req):
+        plen = prompt + (i % BLOCK)  # staggered: 16 requests complete a block each step
+        max_tokens = n_steps + 64
+        total = plen + max_tokens
+        specs.append(Spec(f"d{i}", plen, max_tokens, 0, _hashes(rng, total // BLOCK), _rows(rng, total - 1)))
+    _mark_verify(specs, 16)
+    steps = simulate(specs, range(n_req), max_steps=n_steps + 64)
+    t_start = next(
+        k for k, s in enumerate(steps) if len(s.sched) == n_req and all(c == 1 for c in s.counts)
+    )
+    return Workload("decode", specs, steps[: t_start + n_steps], t_start)
+
+
+def prefill_workload(rng: np.random.Generator, n_steps: int, warmup: int = 4, per_step: int = 8) -> Workload:
+    plen = MAX_BATCHED // per_step
+    pool = [_rows(rng, MAX_BATCHED) for _ in range(4)]  # cycled: 4 x 3 MiB distinct step payloads
+    specs: list[Spec] = []
+    total = (n_steps + warmup) * per_step
+    all_hashes = _hashes(rng, total * (plen // BLOCK))
+    nb = plen // BLOCK
+    for j in range(total):
+        step, k = divmod(j, per_step)
+        rows = pool[step % len(pool)][k * plen : (k + 1) * plen]
+        specs.append(Spec(f"p{j}", plen, 1, 0, all_hashes[j * nb : (j + 1) * nb], rows))
+    _mark_verify(specs, 16)
+    steps = simulate(specs, range(total), max_steps=10**4)
+    assert len(steps) == n_steps + warmup and all(len(s.sched) == per_step for s in steps)
+    return Workload("prefill", specs, steps, warmup)
+
+
+def multiturn_workload(
+    rng: np.random.Generator, n_conv: int = 64, turns: int = 6, new_tokens: int = 256, out_tokens: int = 4
+) -> Workload:
+    specs: list[Spec] = []
+    first: list[int] = []
+    for c in range(n_conv):
+        total = turns * (new_tokens + out_tokens)
+        hashes = _hashes(rng, total // BLOCK)
+        rows = _rows(rng, total)
+        prev_total = 0  # tokens of the previous turn (prompt + outputs)
+        for t in range(turns):
+            plen = prev_total + new_tokens
+            cached = 0
+            if t:
+                # the previous turn computed prev_total - 1 tokens; the hit is block aligned and
+                # leaves at least one prompt token to compute (as vLLM's prefix cache does)
+                cached = min((prev_total - 1) // BLOCK, (plen - 1) // BLOCK) * BLOCK
+            idx = len(specs)
+            if t:
+                specs[idx - 1].follow = idx
+            else:
+                first.append(idx)
+            specs.append(Spec(f"c{c}t{t}", plen, out_tokens, cached, hashes, rows[: plen + out_tokens - 1]))
+            prev_total = plen + out_tokens
+    _mark_verify(specs, 24)
+    steps = simulate(specs, first, max_steps=10**5)
+    return Workload("multi-turn", specs, steps, 0)
+
+
+# -- replay -------------------------------------------------------------------------------------
+class _SamplingParams:
+    __slots__ = ("routed_experts_prompt_start",)
+
+    def __init__(self, prompt_start: int) -> None:
+        self.routed_experts_prompt_start = prompt_start
+
+
+class Req:
+    """What both scheduler connectors read from an engine request (plain attributes)."""
+
+    __slots__ = (
+        "request_id", "num_tokens", "num_output_tokens", "num_prompt_tokens", "block_hashes",
+        "sampling_params", "finished", "chunks", "spec",
+    )
+
+    def __init__(self, spec: Spec) -> None:
+        self.spec = spec
+        self.request_id = spec.rid
+        self.num_prompt_tokens = spec.prompt_len
+        self.num_tokens = spec.prompt_len
+        self.num_output_tokens = 0
+        self.block_hashes: list[bytes] = spec.hashes[: spec.prompt_len // BLOCK]
+        self.sampling_params = _SamplingParams(0)
+        self.finished = False
+        self.chunks: list[np.ndarray] | None = [] if spec.verify else None
+
+    def is_finished(self) -> bool:
+        return self.finished
+
+
+class Driver(Protocol):
+    name: str
+
+    def step(self, st: Step, rows: np.ndarray, live: dict[str, Req], admitted: list[Req]) -> Any: ...
+    def emit(self, out: Any, emitters: list[Req], finished: list[Req]) -> None: ...
+    def drain(self, live: dict[str, Req]) -> None: ...
+    def flush(self) -> None: ...
+    def close(self) -> None: ...
+    def check(self) -> str | None: ...
+
+
+class AuxoutDriver:
+    name = "auxout"
+
+    def __init__(self) -> None:
+        nbytes = PROFILE.block_nbytes(BLOCK)
+        inner = ArenaStore(STORE_OBJECTS * nbytes, nbytes)
+        arena = inner._arena  # steady state: fault the arena in (untimed), as a warm engine has
+        if arena is not None:
+            arena.fill(0)
+        self.store = BackgroundStore(inner, max_pending=2 * MAX_SEQS)
+        self.sched = SchedulerConnector()
+        self.worker = WorkerConnector(
+            PROFILE, block_size=BLOCK, store=self.store, max_num_seqs=MAX_SEQS,
+            max_num_batched_tokens=MAX_BATCHED, keyspace=KeySpace("bench"),
+        )
+
+    def step(self, st: Step, rows: np.ndarray, live: dict[str, Req], admitted: list[Req]) -> StepOutput:
+        sched, worker = self.sched, self.worker
+        for r in admitted:
+            sched.add_request(r.request_id, r.num_prompt_tokens, 0)
+        worker.begin_step(sched.build_metadata(st.rids, live))
+        pending = worker.prepare_output(st.rids, st.starts, st.qsl, rows)
+        assert pending is not None
+        return worker.process_output(pending, st.sampled, st.rejected)
+
+    def emit(self, out: StepOutput, emitters: list[Req], finished: list[Req]) -> None:
+        take = self.sched.take_output
+        for r in emitters:
+            chunk = take(out, r, finished=r.finished)
+            if r.chunks is not None and chunk is not None:
+                r.chunks.append(chunk)
+        for r in finished:
+            self.sched.request_finished(r)
+
+    def drain(self, live: dict[str, Req]) -> None:
+        self.worker.begin_step(self.sched.build_metadata((), live))
+        self.store.flush()
+
+    def flush(self) -> None:
+        self.store.flush()
+
+    def close(self) -> None:
+        self.worker.close()
+
+    def check(self) -> str | None:
+        drops = self.worker.dropped_batches + self.store.dropped_batches
+        return f"{drops} store batches dropped" if drops else None
+
+
+class VllmDriver:
+    """vLLM's in-tree connectors; the worker is built with ``object.__new__`` (no GPU/model)."""
+
+    name = "vLLM"
+
+    def __init__(self, mods: dict[str, Any]) -> None:
+        conn, worker_mod, re_mod, store_mod = mods["connector"], mods["worker"], mods["routed_experts"], mods["store"]
+        nbytes = PROFILE.block_nbytes(BLOCK)
+        self.store = store_mod.BackgroundBlockObjectStore(
+            store_mod.BlockObjectStore(max_bytes=STORE_OBJECTS * nbytes, object_nbytes=nbytes),
+            max_pending_batches=2 * MAX_SEQS,
+        )
+        arena = self.store._store._arena  # steady state: fault the arena in (untimed), as for auxout
+        arena.write(bytes(len(arena)))
+        arena.seek(0)
+        self.sched = conn.AuxOutputSchedulerConnector()
+        w = object.__new__(worker_mod.AuxOutputWorkerConnector)
+        w._capturer = None
+        w._store = self.store
+        w._buffer = re_mod.RoutedExpertsBuffer(
+            PROFILE.dtype, PROFILE.shape_per_token, BLOCK, MAX_SEQS, MAX_BATCHED, 1
+        )
+        w._requests = {}
+        w._generation = 0
+        w._step_metadata = None
+        w._pending_outputs = []
+        w._lock = threading.Lock()
+        w._max_concurrent_batches = 1
+        self.worker = w
+        self.pending_cls = worker_mod.PendingAuxOutput
+
+    def step(self, st: Step, rows: np.ndarray, live: dict[str, Req], admitted: list[Req]) -> Any:
+        w = self.worker
+        w.begin_step(self.sched.build_connector_meta(st.sched_out, live))
+        # AuxOutputWorkerConnector.prepare_output minus the GPU snapshot ...
+        pending = self.pending_cls(
+            connector=w, request_ids=list(st.rids), token_starts=st.starts,
+            query_start_loc=st.qsl, routed_experts_gpu=None,
+        )
+        with w._lock:
+            assert len(w._pending_outputs) < w._max_concurrent_batches
+            w._pending_outputs.append(pending)
+            for rid in pending.request_ids:
+                w._requests[rid].pending_outputs += 1
+        # ... and PendingAuxOutput.enqueue_cpu_copy with the host rows filled in directly.
+        pending.num_sampled = st.sampled
+        pending.num_rejected = st.rejected
+        pending.routed_experts = rows
+        return w.process_output(pending)
+
+    def emit(self, out: Any, emitters: list[Req], finished: list[Req]) -> None:
+        take = self.sched.take_output
+        for r in emitters:
+            chunk = take(r, out)
+            if r.chunks is not None and chunk is not None:
+                r.chunks.append(chunk)
+        for r in finished:
+            self.sched.request_finished(r)
+
+    def drain(self, live: dict[str, Req]) -> None:
+        self.worker.begin_step(self.sched.build_connector_meta(SchedOut({}), live))
+        self.store._queue.join()
+
+    def flush(self) -> None:
+        self.store._queue.join()
+
+    def close(self) -> None:
+        self.worker.close()
+
+    def check(self) -> str | None:
+        err = self.store._error
+        return f"writer failed: {err!r}" if err is not None else None
+
+
+@dataclass
+class RunResult:
+    seconds: float
+    mismatches: list[str] = field(default_factory=list)
+    note: str | None = None
+
+
+def replay(wl: Workload, make: Callable[[], Driver], verify: bool) -> RunResult:
+    reqs = [Req(sp) for sp in wl.specs]
+    drv = make()
+    live: dict[str, Req] = {}
+    total = 0.0
+    perf = time.perf_counter
+    gc.collect()
+    gc.disable()
+    try:
+        for k, st in enumerate(wl.steps):
+            if k == wl.t_start:
+                drv.flush()  # warm-up publications land before the clock starts
+            # engine side (untimed): admission and this step's captured rows
+            admitted = [reqs[i] for i in st.admit]
+            for r in admitted:
+                live[r.request_id] = r
+            rows = np.concatenate(
+                [reqs[i].spec.rows[s : s + n] for i, s, n in zip(st.sched, st.starts.tolist(), st.counts)]
+            )
+            t0 = perf()
+            out = drv.step(st, rows, live, admitted)
+            t1 = perf()
+            emitters = [reqs[i] for i in st.emitters]
+            for r in emitters:  # the engine appends the sampled token; hashes follow full blocks
+                r.num_tokens += 1
+                r.num_output_tokens += 1
+                nb = r.num_tokens // BLOCK
+                if nb > len(r.block_hashes):
+                    r.block_hashes.extend(r.spec.hashes[len(r.block_hashes) : nb])
+            finished = [reqs[i] for i in st.finished]
+            for r in finished:
+                r.finished = True
+            t2 = perf()
+            drv.emit(out, emitters, finished)
+            t3 = perf()
+            for r in finished:
+                del live[r.request_id]
+            if k >= wl.t_start:
+                total += (t1 - t0) + (t3 - t2)
+        t0 = perf()
+        drv.drain(live)  # deliver the last terminal events; wait for the writer thread
+        total += perf() - t0
+    finally:
+        gc.enable()
+    note = drv.check()
+    drv.close()
+    res = RunResult(total, note=note)
+    if verify:
+        for r in reqs:
+            if r.chunks is None or r.num_output_tokens == 0:
+                continue
+            want = r.spec.rows[0 : r.num_tokens - 1]
+            got = np.concatenate(r.chunks) if r.chunks else PROFILE.empty(0)
+            if got.dtype != want.dtype or got.shape != want.shape or not np.array_equal(got, want):
+                res.mismatches.append(f"{r.request_id}: got {got.shape}, want {want.shape}")
+    return res
+
+
+# -- reporting ----------------------------------------------------------------------------------
+@dataclass
+class Measured:
+    times: list[float]
+    mismatches: list[str]
+    verified: int
+    notes: list[str]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+
+def measure(wl: Workload, drivers: list[tuple[str, Callable[[], Driver]]], repeats: int) -> dict[str, Measured]:
+    out = {name: Measured([], [], 0, []) for name, _ in drivers}
+    for rep in range(repeats):
+        for name, make in drivers:  # interleaved so noise hits both alike
+            res = replay(wl, make, verify=rep == 0)
+            m = out[name]
+            m.times.append(res.seconds)
+            m.mismatches += res.mismatches
+            if rep == 0:
+                m.verified = sum(1 for sp in wl.specs if sp.verify)
+            if res.note:
+                m.notes.append(res.note)
+    return out
+
+
+def report(wl: Workload, res: dict[str, Measured]) -> list[tuple[str, bool]]:
+    steps = wl.timed_steps
+    n = len(steps)
+    tokens = sum(sum(s.counts) for s in steps)
+    out_bytes = sum(s.out_rows for s in steps) * TOKEN_NBYTES
+    in_bytes = tokens * TOKEN_NBYTES
+    handled = out_bytes  # route bytes returned to requests (= captured bytes unless a prefix is reused)
+    print(
+        f"\n== {wl.name}: {n} timed steps, {tokens:,} tokens computed, "
+        f"{in_bytes / 1e6:,.1f} MB captured, {out_bytes / 1e6:,.1f} MB returned"
+    )
+    a = res["auxout"]
+    for name, m in res.items():
+        t = m.median
+        spread = f"[{min(m.times) * 1e3:.1f}..{max(m.times) * 1e3:.1f} ms over {len(m.times)}]"
+        print(
+            f"  {name:<7} {t / n * 1e6:10.1f} us/step {t / tokens * 1e9:9.1f} ns/token "
+            f"{handled / t / 1e6:10.1f} MB/s   total {t * 1e3:8.1f} ms {spread}"
+        )
+        status = "OK" if not m.mismatches else f"MISMATCH ({len(m.mismatches)}): {m.mismatches[:3]}"
+        print(f"          verified {m.verified} requests bit-for-bit: {status}" + "".join(f"; NOTE {x}" for x in m.notes))
+    checks: list[tuple[str, bool]] = [(f"{wl.name}: auxout outputs equal the rows fed in", not a.mismatches)]
+    v = res.get("vLLM")
+    if v is not None:
+        ratio = a.median / v.median
+        print(f"  ratio auxout/vLLM cost {ratio:.3f}   speed-up vLLM/auxout {1 / ratio:.2f}x")
+    if wl.name == "decode":
+        if v is None:
+            print("  target decode cost <= 1/4 of vLLM: n/a (no vLLM)")
+        else:
+            ok = a.median / v.median <= DECODE_MAX_COST_RATIO
+            print(f"  target decode cost <= {DECODE_MAX_COST_RATIO:.2f} x vLLM: {'PASS' if ok else 'MISS'}")
+            checks.append(("decode cost <= 1/4 vLLM", ok))
+    elif wl.name == "prefill":
+        gbps = handled / a.median / 1e9
+        ok = gbps >= PREFILL_MIN_GBPS
+        print(f"  target prefill >= {PREFILL_MIN_GBPS:.1f} GB/s: {gbps:.2f} GB/s {'PASS' if ok else 'MISS'}")
+        checks.append(("prefill >= 3 GB/s", ok))
+    elif wl.name == "multi-turn":
+        if v is None:
+            print("  target multi-turn output >= 3x vLLM: n/a (no vLLM)")
+        else:
+            speedup = v.median / a.median
+            ok = speedup >= MULTITURN_MIN_SPEEDUP
+            print(f"  target multi-turn output >= {MULTITURN_MIN_SPEEDUP:.0f}x vLLM: {speedup:.2f}x {'PASS' if ok else 'MISS'}")
+            checks.append(("multi-turn output >= 3x vLLM", ok))
+    return checks
+
+
+def load_vllm() -> dict[str, Any] | None:
+    base = "vllm.distributed.aux_output_connector"
+    t = time.perf_counter()
+    try:
+        mods = {m: importlib.import_module(f"{base}.{m}") for m in ("connector", "routed_experts", "store", "worker")}
+    except Exception as exc:  # noqa: BLE001 - any import failure means "run auxout alone"
+        print(f"NOTE: vLLM's in-tree aux-output connector is unavailable ({type(exc).__name__}: {exc}); "
+              "running auxout alone")
+        return None
+    print(f"vLLM aux_output_connector imported in {time.perf_counter() - t:.1f} s (not part of any measurement)")
+    return mods
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("--quick", action="store_true", help="small sizes, ~20 s")
+    ap.add_argument("--repeats", type=int, default=None, help="repeats per workload (median reported)")
+    ap.add_argument("--no-vllm", action="store_true", help="skip the vLLM baseline")
+    ap.add_argument("--only", choices=("decode", "prefill", "multi-turn"), action="append")
+    args = ap.parse_args(argv)
+    repeats = args.repeats or (2 if args.quick else 5)
+    t_all = time.perf_counter()
+    print(
+        f"auxout data-plane benchmark: profile {PROFILE.num_layers}x{PROFILE.top_k} {PROFILE.dtype} "
+        f"({TOKEN_NBYTES} B/token), hash block {BLOCK}, max_num_seqs {MAX_SEQS}, "
+        f"max_num_batched_tokens {MAX_BATCHED}, store {STORE_OBJECTS} objects, repeats {repeats}"
+        f"{' (quick)' if args.quick else ''}"
+    )
+    mods = None if args.no_vllm else load_vllm()
+    drivers: list[tuple[str, Callable[[], Driver]]] = [("auxout", AuxoutDriver)]
+    if mods is not None:
+        drivers.append(("vLLM", lambda: VllmDriver(mods)))
+
+    rng = np.random.default_rng(20261129)
+    builders: dict[str, Callable[[], Workload]] = {
+        "decode": lambda: decode_workload(rng, 48 if args.quick else 192),
+        "prefill": lambda: prefill_workload(rng, 16 if args.quick else 48),
+        "multi-turn": lambda: multiturn_workload(rng, n_conv=24 if args.quick else 64),
+    }
+    checks: list[tuple[str, bool]] = []
+    for name, build in builders.items():
+        if args.only and name not in args.only:
+            continue
+        t = time.perf_counter()
+        wl = build()
+        t_build = time.perf_counter() - t
+        res = measure(wl, drivers, repeats)
+        checks += report(wl, res)
+        print(f"  (workload built in {t_build:.1f} s, measured in {time.perf_counter() - t - t_build:.1f} s)")
+    print("\n== summary")
+    for what, ok in checks:
+        print(f"  {'PASS' if ok else 'MISS' if 'outputs' not in what else 'FAIL'}  {what}")
+    print(f"total wall time {time.perf_counter() - t_all:.1f} s")
+    return 1 if any(not ok for what, ok in checks if "outputs" in what) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
