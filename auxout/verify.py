@@ -1,0 +1,254 @@
+"""``auxout verify``: does routing replay close the rollout/training gap on a real model?
+
+Rolls out in bfloat16 (vLLM with auxout's routes, or transformers), then runs the training forward
+in float32 with and without :func:`auxout.hf.replay`, and reports top-k set agreement per
+(token, layer), per-layer disagreement, and k3 KL / max |log-ratio| between rollout and training
+logprobs. With replay the agreement must be exactly 100%; the exit code is 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROLLOUTS = ("auto", "vllm", "hf-bf16")
+
+
+@dataclass
+class Rollout:
+    """One sampled completion: its tokens, the engine's routes ``[S-1, L, K]`` and sampled-token logprobs."""
+
+    prompt_ids: np.ndarray
+    output_ids: np.ndarray
+    routes: np.ndarray
+    logprobs: np.ndarray  # [len(output_ids)], log pi_rollout(token)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="auxout verify", description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="checkpoint directory (default: auxout's tiny random MoE for --arch)")
+    p.add_argument("--arch", default="qwen3_moe", help="tiny model architecture when --model is not given")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rollout", choices=ROLLOUTS, default="auto",
+                   help="auto = vLLM if auxout.vllm and vllm import, else transformers in bf16")
+    p.add_argument("--num-prompts", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, default=48)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--out", default="out/verify", help="directory for verify.json and disagreement.png")
+    p.add_argument("--no-progress", action="store_true", help="hide the tqdm progress bar")
+    return p
+
+
+def _vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+
+        import auxout.vllm  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def rollout_hf_bf16(model_path: str, prompts: Sequence[np.ndarray], max_new_tokens: int, temperature: float,
+                    seed: int, progress: Any = None) -> list[Rollout]:
+    """Sample with transformers in bfloat16 and KV cache, recording the experts each forward used."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from auxout.hf import RouteRecorder
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).eval()
+    torch.manual_seed(seed)
+    out: list[Rollout] = []
+    for p in prompts:
+        ids = torch.as_tensor(p, dtype=torch.long)[None]
+        with RouteRecorder(model) as rec, torch.no_grad():
+            g = model.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=temperature > 0,
+                temperature=temperature if temperature > 0 else None, top_k=None, top_p=None,
+                max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                return_dict_in_generate=True, output_logits=True, pad_token_id=0,
+            )
+        new = g.sequences[0, ids.shape[1]:]
+        logits = torch.stack([x[0] for x in g.logits]).float()
+        lp = torch.log_softmax(logits, dim=-1).gather(-1, new[:, None])[:, 0]
+        out.append(Rollout(np.asarray(p), new.numpy(), rec.routes(), lp.numpy()))
+        if progress is not None:
+            progress.update(1)
+    return out
+
+
+def rollout_vllm(model_path: str, prompts: Sequence[np.ndarray], max_new_tokens: int, temperature: float,
+                 seed: int, progress: Any = None) -> list[Rollout]:
+    """Sample with vLLM in bfloat16; routes come from auxout's engine integration."""
+    import vllm
+
+    import auxout.vllm
+
+    longest = max(len(p) for p in prompts) + max_new_tokens
+    llm = vllm.LLM(model=model_path, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, seed=seed,
+                   max_model_len=max(256, longest), **auxout.vllm.engine_kwargs())
+    sp = vllm.SamplingParams(max_tokens=max_new_tokens, min_tokens=max_new_tokens, ignore_eos=True,
+                             temperature=temperature, seed=seed, logprobs=0, detokenize=False)
+    reqs: list[Any] = [vllm.TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
+    res = llm.generate(reqs, sp, use_tqdm=False)
+    out: list[Rollout] = []
+    for p, r in zip(prompts, res):
+        c = r.outputs[0]
+        toks = np.asarray(c.token_ids, dtype=np.int64)
+        if c.routed_experts is None:
+            raise RuntimeError("vLLM returned no routed_experts: is auxout's engine integration active?")
+        if c.logprobs is None:
+            raise RuntimeError("vLLM returned no logprobs although SamplingParams(logprobs=0) asked for them")
+        steps: Any = c.logprobs
+        lp = np.array([steps[i][int(t)].logprob for i, t in enumerate(toks)], dtype=np.float64)
+        out.append(Rollout(np.asarray(p), toks, np.asarray(c.routed_experts), lp))
+        if progress is not None:
+            progress.update(1)
+    return out
+
+
+def train_forward(model: Any, r: Rollout, use_replay: bool) -> tuple[np.ndarray, np.ndarray, int]:
+    """float32 training forward over prompt+output: (routes used [S, L, K], response logprobs, fallbacks)."""
+    import torch
+
+    from auxout.hf import RouteRecorder, replay
+    from auxout.trainer import RouteTrace
+
+    tokens = np.concatenate([r.prompt_ids, r.output_ids])
+    ids = torch.as_tensor(tokens, dtype=torch.long)[None]
+    trace = RouteTrace.from_output(r.prompt_ids, r.output_ids, r.routes)
+    fallbacks = 0
+    with torch.no_grad(), RouteRecorder(model) as rec:
+        if use_replay:
+            with replay(model, trace.for_forward()) as ctx:
+                logits = model(input_ids=ids, use_cache=False).logits[0]
+            fallbacks = ctx.fallback_count
+        else:
+            logits = model(input_ids=ids, use_cache=False).logits[0]
+    p = len(r.prompt_ids)
+    lp = torch.log_softmax(logits[p - 1 : -1].float(), dim=-1).gather(-1, ids[0, p:, None])[:, 0]
+    return rec.routes(), lp.double().numpy(), fallbacks
+
+
+def _metrics(rollouts: Sequence[Rollout], used: Sequence[np.ndarray], logps: Sequence[np.ndarray]) -> dict[str, Any]:
+    from auxout.trainer import topk_sets_equal
+
+    same = np.concatenate([topk_sets_equal(r.routes, u[: len(r.routes)]) for r, u in zip(rollouts, used)])
+    lr = np.concatenate([lp - r.logprobs for r, lp in zip(rollouts, logps)])  # log pi_train / pi_rollout
+    k3 = np.exp(lr) - 1.0 - lr
+    return {
+        "agreement": float(same.mean()),
+        "mismatched_token_layers": int((~same).sum()),
+        "token_layers": int(same.size),
+        "disagreement_per_layer": [float(x) for x in 1.0 - same.mean(axis=0)],
+        "kl_k3": float(k3.mean()),
+        "max_abs_log_ratio": float(np.abs(lr).max()),
+        "frac_abs_log_ratio_gt_ln2": float((np.abs(lr) > math.log(2)).mean()),
+    }
+
+
+def _plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    without = np.array(report["without_replay"]["disagreement_per_layer"]) * 100
+    with_r = np.array(report["with_replay"]["disagreement_per_layer"]) * 100
+    x = np.arange(len(without))
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.5 * len(x) + 2), 3.2))
+    ax.bar(x - 0.2, without, 0.4, label="without replay")
+    ax.bar(x + 0.2, with_r, 0.4, label="with replay")
+    ax.set_xlabel("MoE layer")
+    ax.set_ylabel("top-k sets that differ (%)")
+    ax.set_xticks(x)
+    ax.set_title(f"rollout ({report['rollout']}, bf16) vs training (fp32)")
+    ax.set_ylim(0, max(float(without.max(initial=0.0)), float(with_r.max(initial=0.0)), 0.1) * 1.4)
+    ax.legend(loc="upper center", ncols=2, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Everything but argument parsing: returns the report that ``main`` writes."""
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM
+
+    from auxout.hf import moe_layers
+
+    kind = args.rollout
+    if kind == "auto":
+        kind = "vllm" if _vllm_available() else "hf-bf16"
+    if args.model:
+        model_path = args.model
+    else:
+        from auxout.models import build_tiny_moe
+
+        model_path = build_tiny_moe(args.arch, seed=args.seed)
+    train_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    vocab = int(train_model.config.vocab_size)
+    rng = np.random.default_rng(args.seed)
+    prompts = [rng.integers(3, vocab, args.prompt_len) for _ in range(args.num_prompts)]
+
+    n = args.num_prompts
+    bar = tqdm(total=3 * n, desc="auxout verify", disable=args.no_progress, unit="seq")
+    bar.set_postfix_str(f"rollout {kind}")
+    fn = rollout_vllm if kind == "vllm" else rollout_hf_bf16
+    rollouts = fn(model_path, prompts, args.max_new_tokens, args.temperature, args.seed, progress=bar)
+    results: dict[str, Any] = {}
+    for use in (False, True):
+        bar.set_postfix_str("train fp32" + (" + replay" if use else ""))
+        used, logps, fb = [], [], 0
+        for r in rollouts:
+            u, lp, f = train_forward(train_model, r, use)
+            used.append(u)
+            logps.append(lp)
+            fb += f
+            bar.update(1)
+        m = _metrics(rollouts, used, logps)
+        m["fallback_rows"] = fb
+        results["with_replay" if use else "without_replay"] = m
+    bar.close()
+    layers = moe_layers(train_model)
+    return {
+        "model": model_path,
+        "rollout": kind,
+        "num_sequences": n,
+        "prompt_len": args.prompt_len,
+        "max_new_tokens": args.max_new_tokens,
+        "num_moe_layers": len(layers),
+        "top_k": layers.top_k,
+        "num_experts": layers.num_experts,
+        **results,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry (``auxout verify ...``); exit 0 iff replay makes rollout and training routes agree 100%."""
+    args = _parser().parse_args(list(argv) if argv is not None else None)
+    report = run(args)
+    out = Path(args.out)
+    os.makedirs(out, exist_ok=True)
+    (out / "verify.json").write_text(json.dumps(report, indent=2))
+    _plot(report, out / "disagreement.png")
+    w, r = report["without_replay"], report["with_replay"]
+    print(f"rollout={report['rollout']} model={report['model']} sequences={report['num_sequences']} "
+          f"(token, layer) pairs={w['token_layers']}")
+    print(f"  without replay: agreement {w['agreement']:.4%}  k3 KL {w['kl_k3']:.3e}  "
+          f"max|log-ratio| {w['max_abs_log_ratio']:.3e}")
+    print(f"  with replay:    agreement {r['agreement']:.4%}  k3 KL {r['kl_k3']:.3e}  "
+          f"max|log-ratio| {r['max_abs_log_ratio']:.3e}")
+    print(f"  wrote {out / 'verify.json'} and {out / 'disagreement.png'}")
+    return 0 if r["agreement"] == 1.0 else 1
