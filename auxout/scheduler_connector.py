@@ -17,7 +17,11 @@ import numpy as np
 
 from auxout.errors import InvariantError, RequestValidationError, RoutesUnavailableError
 from auxout.keys import PackedHashes
+from auxout.keys_output import KeysPublisher
+from auxout.manifest import RouteManifest
 from auxout.metadata import NO_EMIT, StepMetadata, StepOutput
+
+OUTPUT_MODES = ("inline", "keys")
 
 
 class SchedRequest(Protocol):
@@ -49,15 +53,29 @@ def validate_prompt_start(prompt_start: object, prompt_len: int) -> int:
 class SchedulerConnector:
     """Payload-free control plane of one engine."""
 
-    def __init__(self, *, default_return: bool = True) -> None:
+    def __init__(
+        self, *, default_return: bool = True, publisher: KeysPublisher | None = None, default_output: str = "inline"
+    ) -> None:
+        if default_output not in OUTPUT_MODES:
+            raise ValueError(f"default_output must be one of {OUTPUT_MODES}, got {default_output!r}")
+        if default_output == "keys" and publisher is None:
+            raise ValueError("keys-only output needs a KeysPublisher (a store both sides can reach)")
         self.generation = 0
         self.default_return = default_return
+        self.default_output = default_output
+        self.publisher = publisher
         self._sent: dict[str, int] = {}  # hashes the worker has, per request it tracks
         self._finished: dict[str, PackedHashes | None] = {}  # terminal events not yet delivered
         self._options: dict[str, tuple[int, bool]] = {}  # prompt_start, return_routes
+        self._keys_mode: set[str] = set()
 
     def add_request(
-        self, request_id: str, prompt_len: int, prompt_start: object = 0, return_routes: object = None
+        self,
+        request_id: str,
+        prompt_len: int,
+        prompt_start: object = 0,
+        return_routes: object = None,
+        output: object = None,
     ) -> None:
         """Validate a request's route options at admission; raises ``RequestValidationError``."""
         start = validate_prompt_start(prompt_start, prompt_len)
@@ -67,7 +85,16 @@ class SchedulerConnector:
             ret = return_routes
         else:
             raise RequestValidationError("return_routed_experts", return_routes, "must be a boolean")
+        mode = self.default_output if output is None else output
+        if mode not in OUTPUT_MODES:
+            raise RequestValidationError("routed_experts_output", output, f"must be one of {list(OUTPUT_MODES)}")
+        if mode == "keys" and self.publisher is None:
+            raise RequestValidationError("routed_experts_output", output, "this engine has no shared route store")
         self._options[request_id] = (start, ret)
+        if mode == "keys" and ret:
+            self._keys_mode.add(request_id)
+        else:
+            self._keys_mode.discard(request_id)
 
     def returns_routes(self, request_id: str) -> bool:
         return self._options.get(request_id, (0, self.default_return))[1]
@@ -114,6 +141,10 @@ class SchedulerConnector:
         rid = request.request_id
         if not preempted:
             self._options.pop(rid, None)
+            if rid in self._keys_mode:
+                self._keys_mode.discard(rid)
+                assert self.publisher is not None
+                self.publisher.discard(rid)
         n = self._sent.pop(rid, None)
         if n is None:
             return  # never announced to the worker, or already terminated
@@ -124,8 +155,11 @@ class SchedulerConnector:
 
     def take_output(
         self, output: StepOutput | None, request: SchedRequest, *, finished: bool = False
-    ) -> np.ndarray | None:
+    ) -> np.ndarray | RouteManifest | None:
         """This step's accepted rows for a request that emitted tokens (None if opted out).
+
+        In keys-only mode the rows are held here and the request's ``RouteManifest`` is returned
+        when it finishes (None before).
 
         Raises ``RoutesUnavailableError`` for this request alone when its routes could not be
         assembled (e.g. a prefix block was evicted): fail the request, not the engine.
@@ -157,7 +191,17 @@ class SchedulerConnector:
                 f"worker output has an invalid token range for request {rid!r}: accepted end "
                 f"{request.num_tokens - 1}, rows cover [{token_start}, {token_start + hi - lo})"
             )
-        return output.slice(lo, lo + local_end)
+        rows = output.slice(lo, lo + local_end)
+        if self._keys_mode and rid in self._keys_mode:
+            assert self.publisher is not None
+            self.publisher.add(rid, token_start, rows)
+            if not finished:
+                return None
+            self._keys_mode.discard(rid)
+            return self.publisher.finish(
+                rid, block_hashes=request.block_hashes, generation=self.generation, token_end=request.num_tokens - 1
+            )
+        return rows
 
     def reset(self) -> None:
         """After a successful prefix-cache reset: new generation, everything re-sent."""

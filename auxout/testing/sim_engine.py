@@ -20,9 +20,11 @@ import numpy as np
 
 from auxout.errors import RoutesUnavailableError
 from auxout.keys import KeySpace
+from auxout.keys_output import KeysPublisher, store_address
+from auxout.manifest import RouteManifest
 from auxout.metadata import StepOutput
 from auxout.scheduler_connector import SchedulerConnector
-from auxout.stores import ArenaStore, BackgroundStore
+from auxout.stores import ArenaStore, BackgroundStore, BlockStore
 from auxout.testing.fake_moe import FakeMoE
 from auxout.worker_connector import PendingStep, WorkerConnector
 
@@ -41,6 +43,7 @@ class SimResult:
     num_cached_tokens: int
     finish_reason: str
     error: str | None = None
+    manifest: RouteManifest | None = None  # keys-only output: fetch(manifest, store) gives the routes
 
 
 @dataclass
@@ -60,6 +63,7 @@ class _Request:
     blocks: list[int] = field(default_factory=list)
     num_cached_tokens: int = -1
     chunks: list[np.ndarray] = field(default_factory=list)
+    manifest: RouteManifest | None = None
     incarnation: int = 0
     error: str | None = None
 
@@ -165,6 +169,8 @@ class SimEngine:
         draft_acceptance: float = 0.7,
         store_bytes: int | None = None,
         seed: int = 0,
+        store: BlockStore | None = None,
+        output: str = "inline",
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -177,10 +183,13 @@ class SimEngine:
         self.kv = _KVCache(num_kv_blocks, block_size)
         profile = model.profile
         object_nbytes = profile.block_nbytes(block_size)
-        self.store = BackgroundStore(
-            ArenaStore(store_bytes or num_kv_blocks * object_nbytes, object_nbytes), max_pending=2 * max_num_seqs
+        inner = store if store is not None else ArenaStore(store_bytes or num_kv_blocks * object_nbytes, object_nbytes)
+        self.store = BackgroundStore(inner, max_pending=2 * max_num_seqs)
+        keyspace = KeySpace("sim")
+        publisher = KeysPublisher(
+            self.store, profile=profile, keyspace=keyspace, block_size=block_size, address=store_address(inner)
         )
-        self.scheduler = SchedulerConnector()
+        self.scheduler = SchedulerConnector(publisher=publisher, default_output=output)
         self.worker = WorkerConnector(
             profile,
             block_size=block_size,
@@ -188,7 +197,7 @@ class SimEngine:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             max_concurrent_batches=2 if async_scheduling else 1,
-            keyspace=KeySpace("sim"),
+            keyspace=keyspace,
         )
         self.requests: dict[str, _Request] = {}
         self.waiting: deque[_Request] = deque()
@@ -208,6 +217,7 @@ class SimEngine:
         prompt_start: int = 0,
         cache_salt: str | None = None,
         return_routed_experts: bool = True,
+        output: str | None = None,
     ) -> None:
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r} is already running")
@@ -216,7 +226,7 @@ class SimEngine:
         need = -(-(len(prompt) + max_tokens + self.num_spec) // self.block_size)
         if need > len(self.kv.refs):
             raise ValueError(f"request {request_id!r} needs {need} KV blocks; the cache has {len(self.kv.refs)}")
-        self.scheduler.add_request(request_id, len(prompt), prompt_start, return_routed_experts)
+        self.scheduler.add_request(request_id, len(prompt), prompt_start, return_routed_experts, output)
         req = _Request(request_id, list(prompt), max_tokens, prompt_start, cache_salt, return_routed_experts)
         req.truth = list(prompt)
         self._update_hashes(req)
@@ -409,7 +419,9 @@ class SimEngine:
                 req.error = str(exc)
                 self._finish(req, "error")
                 continue
-            if chunk is not None:
+            if isinstance(chunk, RouteManifest):
+                req.manifest = chunk
+            elif chunk is not None:
                 req.chunks.append(chunk)
             if finished:
                 self._finish(req, "length")
@@ -423,7 +435,7 @@ class SimEngine:
             self.waiting.remove(req)
         del self.requests[req.rid]
         routes = None
-        if req.want_routes and req.error is None:
+        if req.want_routes and req.error is None and req.manifest is None:
             routes = (
                 np.concatenate(req.chunks) if req.chunks else self.model.profile.empty(0)
             )
@@ -436,6 +448,7 @@ class SimEngine:
             max(req.num_cached_tokens, 0),
             reason,
             req.error,
+            req.manifest,
         )
 
     def _update_hashes(self, req: _Request) -> None:

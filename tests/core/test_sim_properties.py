@@ -12,6 +12,8 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
+from auxout.manifest import fetch
+from auxout.stores import BlockStore
 from auxout.testing import FakeMoE, SimEngine, SimResult, oracle_routes
 
 MODELS = {
@@ -20,8 +22,13 @@ MODELS = {
 }
 
 
-def assert_oracle(model: FakeMoE, res: SimResult) -> None:
+def assert_oracle(model: FakeMoE, res: SimResult, store: BlockStore) -> None:
     assert res.error is None, f"{res.request_id}: {res.error}"
+    if res.manifest is not None:  # keys-only output: what a trainer fetches
+        assert res.routed_experts is None
+        got = fetch(res.manifest, store=store)
+        assert np.array_equal(got, oracle_routes(model, res)), f"{res.request_id}: manifest routes differ"
+        return
     if res.routed_experts is None:
         return
     expected = oracle_routes(model, res)
@@ -65,6 +72,7 @@ def scenarios(draw: st.DrawFn) -> dict:
         data_seed=draw(st.integers(0, 2**16)),
         aborts=draw(st.integers(0, 2)),
         salted=draw(st.booleans()),
+        keys_share=draw(st.sampled_from([0.0, 0.0, 0.5, 1.0])),
     )
 
 
@@ -94,6 +102,7 @@ def run_scenario(sc: dict) -> int:
                 prompt_start=start,
                 cache_salt=salt,
                 return_routed_experts=bool(rng.random() > 0.15),
+                output="keys" if rng.random() < sc["keys_share"] else "inline",
             )
         for i in range(sc["aborts"]):
             for _ in range(int(rng.integers(0, 6))):
@@ -105,7 +114,7 @@ def run_scenario(sc: dict) -> int:
         results.update(eng._done)  # aborted above
         results.update(eng.run())
         for rid, res in results.items():
-            assert_oracle(model, res)
+            assert_oracle(model, res, eng.store)
             checked += 1
             if res.finish_reason != "abort":
                 history[int(rid.split("c")[1])] = res.tokens

@@ -1,0 +1,135 @@
+"""Keys-only output: a request's response carries a small manifest instead of its route array.
+
+Full hash blocks are named by their content keys (the worker already published them); the rows
+after the last full block are published as boundary objects under fresh keys. A manifest is
+returned only once every object it names is readable, so a trainer can ``fetch`` it at once.
+This runs on the scheduler side, next to ``SchedulerConnector.take_output``, with its own
+client of a store both sides can reach (shared memory, Redis, Mooncake).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from auxout.errors import PublicationError
+from auxout.keys import KeySpace
+from auxout.manifest import RouteManifest, publish_manifest
+from auxout.profile import RouteProfile
+from auxout.stores.base import BlockStore
+
+
+def store_address(store: BlockStore) -> str:
+    """The address a reader opens (``local://`` for an in-process store: pass it to ``fetch``)."""
+    inner = getattr(store, "inner", store)
+    return str(getattr(inner, "address", "local://"))
+
+
+class KeysPublisher:
+    """Holds each keys-mode request's accepted rows until it finishes, then builds its manifest."""
+
+    def __init__(
+        self,
+        store: BlockStore,
+        *,
+        profile: RouteProfile,
+        keyspace: KeySpace,
+        block_size: int,
+        address: str | None = None,
+        readable_timeout: float = 10.0,
+    ) -> None:
+        self.store = store
+        self.profile = profile
+        self.keyspace = keyspace
+        self.block_size = block_size
+        self.address = address or store_address(store)
+        self.readable_timeout = readable_timeout
+        self._rows: dict[str, list[np.ndarray]] = {}
+        self._start: dict[str, int] = {}
+
+    def add(self, request_id: str, token_start: int, rows: np.ndarray) -> None:
+        """Accept one step's clipped rows (positions ``token_start ...``)."""
+        chunks = self._rows.setdefault(request_id, [])
+        if not chunks:
+            self._start[request_id] = token_start
+        if len(rows):
+            chunks.append(rows)
+
+    def finish(
+        self, request_id: str, *, block_hashes: Sequence[bytes], generation: int, token_end: int
+    ) -> RouteManifest:
+        """Manifest of rows ``[first accepted position, token_end)``; publishes what is missing first."""
+        chunks = self._rows.pop(request_id, [])
+        start = self._start.pop(request_id, token_end)
+        held = np.concatenate(chunks) if chunks else self.profile.empty(0)
+        if start + len(held) != token_end:
+            raise PublicationError(
+                f"keys-only output for {request_id!r} holds rows [{start}, {start + len(held)}) "
+                f"but the request accepted [{start}, {token_end})"
+            )
+        bs = self.block_size
+        n_full = token_end // bs
+        keys = self.keyspace.keys(list(block_hashes[:n_full]), generation)
+        if len(keys) < n_full:
+            raise PublicationError(f"request {request_id!r} has {len(keys)} block hashes; {n_full} full blocks")
+        first = start // bs  # blocks the manifest names
+        self._ensure_readable(keys[first:], held, start)
+        full_end = n_full * bs
+        if start > full_end:  # publish_manifest indexes the tail from full_end; those rows are skipped
+            held = np.concatenate([np.zeros((start - full_end, *held.shape[1:]), held.dtype), held])
+            start_in_held = full_end
+        else:
+            start_in_held = start
+        tail = held[full_end - start_in_held :]
+        return publish_manifest(
+            self.store,
+            address=self.address,
+            block_keys=keys,
+            tail_rows=tail,
+            token_start=start,
+            token_end=token_end,
+            block_size=bs,
+            namespace=self.keyspace.namespace,
+        )
+
+    def discard(self, request_id: str) -> None:
+        self._rows.pop(request_id, None)
+        self._start.pop(request_id, None)
+
+    def _ensure_readable(self, keys: list[str], held: np.ndarray, start: int) -> None:
+        """Wait for the worker's publications; publish blocks it cannot have yet from held rows.
+
+        The worker learns a decode block's hash one step late, so the last blocks of a finished
+        request may not be stored yet; their bytes are identical under the same content key, so
+        publishing them here is safe (first write wins) and avoids waiting on the engine loop.
+        """
+        if not keys:
+            return
+        bs = self.block_size
+        first_block = start // bs
+        present = self.store.contains(keys)
+        missing = [i for i, ok in enumerate(present) if not ok]
+        ours = [i for i in missing if (first_block + i) * bs >= start]  # fully inside held rows
+        if ours:
+            objs = []
+            for i in ours:
+                lo = (first_block + i) * bs - start
+                block = np.ascontiguousarray(held[lo : lo + bs])
+                objs.append((keys[i], memoryview(block.reshape(-1).view(np.uint8).data)))  # type: ignore[arg-type]
+            self.store.put(objs)
+        deadline = time.monotonic() + self.readable_timeout
+        pending = [keys[i] for i in missing]
+        delay = 0.001
+        while pending:
+            ok = self.store.contains(pending)
+            pending = [k for k, p in zip(pending, ok) if not p]
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                raise PublicationError(
+                    f"{len(pending)} route object(s) not readable after {self.readable_timeout}s: {pending[:3]}"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
