@@ -47,16 +47,20 @@ class StepOutput:
     extra: np.ndarray | None = None
     _spans: dict[str, tuple[int, int, int]] | None = None
 
-    def span(self, request_id: str) -> tuple[int, int, int] | None:
-        """``(token_start, lo, hi)`` of what ``request_id`` emitted this step, or None."""
+    def span_map(self) -> dict[str, tuple[int, int, int]]:
+        """``request_id -> (token_start, lo, hi)`` for requests that emitted (plain ints, built once)."""
         spans = self._spans
-        if spans is None:  # built once per step, as plain ints (the scheduler asks per request)
+        if spans is None:
             spans = self._spans = {
                 rid: (t, lo, hi)
                 for rid, t, lo, hi in zip(self.req_ids, self.token_starts.tolist(), self.lo.tolist(), self.hi.tolist())
                 if lo >= 0
             }
-        return spans.get(request_id)
+        return spans
+
+    def span(self, request_id: str) -> tuple[int, int, int] | None:
+        """``(token_start, lo, hi)`` of what ``request_id`` emitted this step, or None."""
+        return self.span_map().get(request_id)
 
     def rows_for(self, request_id: str) -> tuple[int, np.ndarray] | None:
         """``(token_start, rows)`` emitted for one request this step, or None."""

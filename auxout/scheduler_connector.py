@@ -203,6 +203,44 @@ class SchedulerConnector:
             )
         return rows
 
+    def take_outputs(
+        self,
+        output: StepOutput | None,
+        requests: Sequence[SchedRequest],
+        finished: Sequence[bool] | None = None,
+    ) -> list[np.ndarray | RouteManifest | None]:
+        """``take_output`` for every request that emitted tokens this step, in one call.
+
+        Same results and errors as the per-request call; the common case (inline rows, no
+        errors) is a few list comprehensions instead of one Python call per request.
+        """
+        n = len(requests)
+        fin = [False] * n if finished is None else list(finished)
+        if output is None or output.errors or self._keys_mode or not self.default_return or n == 0:
+            return [self.take_output(output, r, finished=f) for r, f in zip(requests, fin)]
+        spans = output.span_map()
+        get_span, get_opt = spans.get, self._options.get
+        rows, extra = output.rows, output.extra
+        nrows = len(rows)
+        res: list[np.ndarray | RouteManifest | None] = []
+        append = res.append
+        for r in requests:
+            rid = r.request_id
+            sp = get_span(rid)
+            opt = get_opt(rid)
+            if sp is None or (opt is not None and not opt[1]):
+                return [self.take_output(output, q, finished=f) for q, f in zip(requests, fin)]
+            t, lo, hi = sp
+            e = r.num_tokens - 1 - t
+            if e < 0 or e > hi - lo:
+                return [self.take_output(output, q, finished=f) for q, f in zip(requests, fin)]
+            if hi <= nrows:
+                append(rows[lo : lo + e])
+            else:
+                assert extra is not None
+                append(extra[lo - nrows : lo - nrows + e])
+        return res
+
     def reset(self) -> None:
         """After a successful prefix-cache reset: new generation, everything re-sent."""
         self.generation += 1

@@ -305,7 +305,8 @@ class WorkerConnector:
         return self._objects_from_pool(keys, pool_slots), pool_slots
 
     def _objects_from_pool(self, keys: list[str], pool_slots: list[int]) -> list[tuple[str, memoryview]]:
-        blob = memoryview(self.pool.blocks[np.asarray(pool_slots, dtype=_I64)].tobytes())
+        copy = self.pool.blocks[np.asarray(pool_slots, dtype=_I64)]  # one copy out of the reusable pool
+        blob = memoryview(copy.reshape(-1).view(np.uint8).data)  # type: ignore[arg-type]
         n = self.profile.block_nbytes(self.block_size)
         return [(k, blob[i * n : (i + 1) * n]) for i, k in enumerate(keys)]
 

@@ -401,6 +401,7 @@ class SimEngine:
         output: StepOutput | None = None
         if pending is not None:
             output = self.worker.process_output(pending, num_sampled, num_rejected)
+        emitted: list[_Request] = []
         for s, toks, rej in zip(scheduled, sampled_tokens, num_rejected.tolist()):
             req = s.req
             if req.rid not in self.requests or s.incarnation != req.incarnation:
@@ -412,18 +413,27 @@ class SimEngine:
             room = req.max_tokens - len(req.output)
             req.output.extend(toks[:room])
             self._update_hashes(req)
-            finished = len(req.output) >= req.max_tokens
-            try:
-                chunk = self.scheduler.take_output(output, req, finished=finished)
-            except RoutesUnavailableError as exc:
-                req.error = str(exc)
+            emitted.append(req)
+        finished = [len(r.output) >= r.max_tokens for r in emitted]
+        if output is not None and not output.errors:  # the batched call, as an engine would use it
+            chunks = self.scheduler.take_outputs(output, emitted, finished)
+        else:  # one request's failure must not touch the others
+            chunks = []
+            for req, fin in zip(emitted, finished):
+                try:
+                    chunks.append(self.scheduler.take_output(output, req, finished=fin))
+                except RoutesUnavailableError as exc:
+                    req.error = str(exc)
+                    chunks.append(None)
+        for req, fin, chunk in zip(emitted, finished, chunks):
+            if req.error is not None:
                 self._finish(req, "error")
                 continue
             if isinstance(chunk, RouteManifest):
                 req.manifest = chunk
             elif chunk is not None:
                 req.chunks.append(chunk)
-            if finished:
+            if fin:
                 self._finish(req, "length")
 
     def _finish(self, req: _Request, reason: str) -> None:

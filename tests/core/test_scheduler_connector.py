@@ -403,3 +403,34 @@ def test_step_output_survives_pickling_for_ipc() -> None:
         sc.take_output(back, Req("c", 2, 1))
     silent = StepOutput(["a"], np.array([0]), np.array([-1]), np.array([-1]), ROWS[:1])
     assert pickle.loads(pickle.dumps(silent)).rows_for("a") is None
+
+
+def test_take_outputs_equals_per_request_calls() -> None:
+    """The batched call returns exactly what one call per request returns (rows and extra rows)."""
+    from auxout.testing import FakeMoE, SimEngine
+
+    model = FakeMoE(num_layers=2, top_k=2, num_experts=8, vocab_size=50, seed=9)
+    eng = SimEngine(model, block_size=4, max_num_batched_tokens=12, num_speculative_tokens=2, async_scheduling=True)
+    calls: list[tuple[list, list]] = []
+    real_batch = eng.scheduler.take_outputs
+
+    def spy(output, requests, finished=None):  # type: ignore[no-untyped-def]
+        batched = real_batch(output, requests, finished)
+        one_by_one = [
+            SchedulerConnector.take_output(eng.scheduler, output, r, finished=f)
+            for r, f in zip(requests, finished or [False] * len(requests))
+        ]
+        calls.append((batched, one_by_one))
+        return batched
+
+    eng.scheduler.take_outputs = spy  # type: ignore[method-assign]
+    rng = np.random.default_rng(3)
+    base = rng.integers(0, 50, 9).tolist()
+    for i in range(5):
+        eng.add_request(f"r{i}", base + rng.integers(0, 50, 5).tolist(), 6, prompt_start=int(rng.integers(0, 10)))
+    eng.run()
+    assert calls and any(len(b) > 1 for b, _ in calls)
+    for batched, one in calls:
+        assert len(batched) == len(one)
+        for a, b in zip(batched, one):
+            assert (a is None and b is None) or np.array_equal(a, b)
