@@ -20,6 +20,7 @@ new slot; the in-flight step still refers to the old one.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -62,6 +63,32 @@ def _ranges(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndar
     seg = np.repeat(np.arange(len(counts), dtype=_I64), counts)
     off = np.arange(total, dtype=_I64) - np.repeat(_excl_cumsum(counts), counts)
     return seg, off
+
+
+class _BufferRecycler:
+    """Output buffers for rows read back from the store, reused once nobody holds a view.
+
+    A fresh multi-megabyte array per step costs page faults and kernel zeroing comparable to
+    the copy itself. A buffer is handed out again only when its reference count shows that no
+    view of it (a chunk the scheduler or frontend still holds) is alive.
+    """
+
+    def __init__(self, profile: RouteProfile, keep: int = 4) -> None:
+        self.profile = profile
+        self.keep = keep
+        self._buffers: list[np.ndarray] = []
+
+    def take(self, rows: int) -> np.ndarray:
+        for i, buf in enumerate(self._buffers):
+            # references: the list, the loop variable, getrefcount's argument
+            if len(buf) >= rows and sys.getrefcount(buf) <= 3:
+                self._buffers.append(self._buffers.pop(i))  # most recently used last
+                return buf[:rows]
+        buf = self.profile.empty(max(rows, 1024))
+        self._buffers.append(buf)
+        if len(self._buffers) > self.keep:
+            self._buffers.pop(0)
+        return buf[:rows]
 
 
 class WorkerConnector:
@@ -113,6 +140,7 @@ class WorkerConnector:
         self._seq = 0
         self._closed = False
         self.dropped_batches = 0  # publications the store rejected for capacity (reads then fail closed)
+        self._out_buffers = _BufferRecycler(profile)
 
     # -- per-slot state ---------------------------------------------------------------------
     def _alloc_slots(self, n: int) -> None:
@@ -516,7 +544,7 @@ class WorkerConnector:
             # rows emitted from before this step (cached prefix, earlier chunks): one buffer,
             # filled in place straight from the store, then this step's own rows
             sizes = (cap[slow] - emit[slow]) + kept[slow]
-            extra = self.profile.empty(int(sizes.sum()))
+            extra = self._out_buffers.take(int(sizes.sum()))
             offset = 0
             for i, size in zip(slow.tolist(), sizes.tolist()):
                 n_before = int(cap[i] - emit[i])
