@@ -1,1 +1,15 @@
 """auxout: routed-experts capture, storage and replay for MoE RL."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["RouteManifest", "fetch"]
+
+
+def __getattr__(name: str) -> Any:  # lazy: `import auxout` stays cheap (no store clients)
+    if name in ("fetch", "RouteManifest"):
+        from auxout import manifest
+
+        return getattr(manifest, name)
+    raise AttributeError(f"module 'auxout' has no attribute {name!r}")

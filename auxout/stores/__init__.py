@@ -9,15 +9,61 @@ from auxout.stores.background import BackgroundStore
 from auxout.stores.base import BlockStore
 from auxout.stores.policy import EvictionPolicy, LRUPolicy
 
-__all__ = ["ArenaStore", "BackgroundStore", "BlockStore", "EvictionPolicy", "LRUPolicy", "make_store"]
+__all__ = [
+    "ArenaStore",
+    "BackgroundStore",
+    "BlockStore",
+    "EvictionPolicy",
+    "LRUPolicy",
+    "MooncakeStore",
+    "RedisStore",
+    "SharedMemoryStore",
+    "make_store",
+    "sweep_stale",
+]
+
+# Redis and Mooncake clients are optional dependencies: import them on first use.
+_LAZY = {
+    "SharedMemoryStore": "auxout.stores.shm",
+    "sweep_stale": "auxout.stores.shm",
+    "RedisStore": "auxout.stores.redis",
+    "MooncakeStore": "auxout.stores.mooncake",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'auxout.stores' has no attribute {name!r}")
 
 
 def make_store(name: str, *, max_bytes: int, object_nbytes: int, background: bool = True, **kw: Any) -> BlockStore:
-    """Build a store by backend name; ``arena`` (default) is the in-process store."""
+    """Build a store by backend name: ``arena`` (in-process, default), ``shm``, ``redis``, ``mooncake``."""
+    inner: BlockStore
     if name == "arena":
-        inner: BlockStore = ArenaStore(max_bytes, object_nbytes, policy=kw.pop("policy", None))
+        inner = ArenaStore(max_bytes, object_nbytes, policy=kw.pop("policy", None))
+    elif name == "shm":
+        from auxout.stores.shm import SharedMemoryStore
+
+        inner = SharedMemoryStore(max_bytes, object_nbytes, name=kw.pop("shm_name", None))
+    elif name == "redis":
+        from auxout.stores.redis import RedisStore
+
+        inner = RedisStore(
+            kw.pop("url"),
+            namespace=kw.pop("namespace"),
+            object_nbytes=object_nbytes,
+            ttl=kw.pop("ttl", None),
+            timeout=kw.pop("timeout", 5.0),
+        )
+    elif name == "mooncake":
+        from auxout.stores.mooncake import MooncakeStore
+
+        inner = MooncakeStore(kw.pop("master_addr"), object_nbytes=object_nbytes)
     else:
-        raise ValueError(f"unknown route store backend {name!r}; known: 'arena'")
+        raise ValueError(f"unknown route store backend {name!r}; known: 'arena', 'shm', 'redis', 'mooncake'")
     if kw:
         raise TypeError(f"unexpected options for store {name!r}: {sorted(kw)}")
     return BackgroundStore(inner, max_pending=64) if background else inner

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Iterable, Sequence
 
 from auxout.errors import CorruptObjectError, PublicationError, StoreCapacityError, StoreClosedError
-from auxout.stores.base import BlockStore, StoreObject
+from auxout.stores.base import BlockStore, StoreObject, check_payload
 
 _Item = tuple[Sequence[StoreObject], tuple[str, ...], tuple[str, ...]]
 
@@ -46,6 +46,8 @@ class BackgroundStore:
         retain_t, release_t = tuple(retain), tuple(release)
         if not objects and not retain_t and not release_t:
             return
+        for key, payload in objects:  # a bad payload is the caller's error, not a writer failure
+            check_payload(key, payload, self.object_nbytes)
         if self._closed:
             raise StoreClosedError("BackgroundStore")
         self._raise_if_failed()

@@ -1,0 +1,202 @@
+"""Route store in Redis or Valkey (same protocol), for trainers on other hosts.
+
+Objects are raw payload bytes (no header, nothing pickled) under ``<namespace>/<key>``.
+``SET NX`` makes the first write win; an optional TTL (``PX``) bounds retention, since an
+external store ignores retain/release (releasing a request never deletes shared objects).
+Writes are pipelined and reads use ``MGET``, both in bounded batches. Every socket operation
+has a timeout and a connection failure surfaces as ``StoreUnavailableError`` naming the
+server, so an engine never hangs on a dead store. The TTL starts at the first write: putting an
+existing key again neither overwrites it nor extends its lifetime, so size the TTL to cover the
+trainer's fetch. Valkey speaks the same protocol (not in Debian 12 apt, so tests use redis-server).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
+
+from auxout.errors import BlockStoreError, CorruptObjectError, ObjectMissingError, StoreClosedError
+from auxout.stores.base import StoreObject, check_payload
+
+_BATCH_BYTES = 32 * 2**20
+_BATCH_KEYS = 4096
+
+
+class StoreUnavailableError(BlockStoreError):
+    """The store server could not be reached or timed out; nothing was returned or confirmed."""
+
+
+def _chunks(n: int, per: int) -> Iterator[slice]:
+    for i in range(0, n, per):
+        yield slice(i, min(n, i + per))
+
+
+class RedisStore:
+    """``BlockStore`` over redis-py (hiredis parser when installed)."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        namespace: str,
+        object_nbytes: int,
+        ttl: float | None = None,
+        timeout: float = 5.0,
+    ) -> None:
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        if not isinstance(object_nbytes, int) or object_nbytes <= 0:
+            raise ValueError(f"RedisStore object_nbytes must be a positive int, got {object_nbytes!r}")
+        if not namespace or any(c.isspace() for c in namespace):
+            raise ValueError(f"RedisStore namespace must be non-empty without spaces, got {namespace!r}")
+        if ttl is not None and ttl <= 0:
+            raise ValueError(f"RedisStore ttl must be positive seconds or None, got {ttl!r}")
+        if timeout <= 0:
+            raise ValueError(f"RedisStore timeout must be positive seconds, got {timeout!r}")
+        self.url = url
+        self.namespace = namespace
+        self.object_nbytes = object_nbytes
+        self.ttl = ttl
+        self.timeout = timeout
+        self._prefix = f"{namespace}/"
+        self._px = None if ttl is None else max(1, int(ttl * 1000))
+        self._errors: tuple[type[BaseException], ...] = (redis.ConnectionError, redis.TimeoutError)
+        self._redis_error: type[BaseException] = redis.RedisError
+        # one quick reconnect absorbs a stale pooled socket after a server restart; no long backoff
+        self._client: Any = redis.Redis.from_url(
+            url,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            retry=Retry(NoBackoff(), 1),
+            health_check_interval=0,
+        )
+        self._closed = False
+        self._lock = threading.Lock()
+
+    @property
+    def address(self) -> str:
+        """``redis://host:port/db?namespace=<ns>``: enough for ``auxout.fetch`` to reopen it."""
+        parts = urlsplit(self.url)
+        query = parse_qs(parts.query)
+        query["namespace"] = [self.namespace]
+        return urlunsplit((parts.scheme, parts.netloc, parts.path, urlencode(query, doseq=True), ""))
+
+    @classmethod
+    def from_address(cls, address: str, *, object_nbytes: int, timeout: float = 5.0) -> RedisStore:
+        parts = urlsplit(address)
+        query = parse_qs(parts.query)
+        ns = query.pop("namespace", [None])[0]
+        if not ns:
+            raise ValueError(f"redis store address {address!r} has no namespace= query parameter")
+        url = urlunsplit((parts.scheme, parts.netloc, parts.path, urlencode(query, doseq=True), ""))
+        return cls(url, namespace=ns, object_nbytes=object_nbytes, timeout=timeout)
+
+    # -- protocol ------------------------------------------------------------------------------
+    def put(
+        self, objects: Sequence[StoreObject], *, retain: Iterable[str] = (), release: Iterable[str] = ()
+    ) -> None:
+        """Write new objects with ``SET NX`` (first write wins); retain/release are ignored."""
+        self._check_open()
+        unique: dict[str, memoryview] = {}
+        for key, payload in objects:
+            if key not in unique:
+                unique[key] = check_payload(key, payload, self.object_nbytes)
+        if not unique:
+            return
+        items = list(unique.items())
+        per = max(1, min(_BATCH_KEYS, _BATCH_BYTES // self.object_nbytes))
+        p, px = self._prefix, self._px
+        with self._guard("put"):
+            for sl in _chunks(len(items), per):
+                pipe = self._client.pipeline(transaction=False)
+                for key, view in items[sl]:
+                    pipe.set(p + key, view, nx=True, px=px)
+                pipe.execute()
+
+    def get_concatenated(self, keys: Sequence[str]) -> bytes:
+        """``MGET`` in batches; any absent key raises naming all absent keys; lengths checked."""
+        self._check_open()
+        if not keys:
+            return b""
+        p = self._prefix
+        names = [p + k for k in keys]
+        per = max(1, min(_BATCH_KEYS, _BATCH_BYTES // self.object_nbytes))
+        values: list[bytes | None] = []
+        with self._guard("get"):
+            for sl in _chunks(len(names), per):
+                values.extend(self._client.mget(names[sl]))
+        if None in values:
+            raise ObjectMissingError(
+                [k for k, v in zip(keys, values) if v is None],
+                f"absent from redis namespace {self.namespace!r} (never written, expired or evicted)",
+            )
+        onb = self.object_nbytes
+        lens = list(map(len, values))  # type: ignore[arg-type]
+        if min(lens) == 0 or max(lens) > onb:
+            bad = [k for k, n in zip(keys, lens) if not 0 < n <= onb]
+            raise CorruptObjectError(
+                f"redis object(s) with impossible length (expected 1..{onb} bytes): {bad[:4]}"
+                + (f" (+{len(bad) - 4} more)" if len(bad) > 4 else "")
+            )
+        out = b"".join(values)  # type: ignore[arg-type]
+        return out
+
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        self._check_open()
+        if not keys:
+            return []
+        p = self._prefix
+        out: list[bool] = []
+        with self._guard("contains"):
+            for sl in _chunks(len(keys), _BATCH_KEYS):
+                pipe = self._client.pipeline(transaction=False)
+                for k in keys[sl]:
+                    pipe.exists(p + k)
+                out.extend(bool(x) for x in pipe.execute())
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._client.close()
+
+    def __enter__(self) -> RedisStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals --------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"RedisStore {self.url}")
+
+    def _guard(self, op: str) -> _ErrorMap:
+        return _ErrorMap(self, op)
+
+
+class _ErrorMap:
+    """Turns redis-py errors into auxout errors with the server and operation named."""
+
+    def __init__(self, store: RedisStore, op: str) -> None:
+        self.store, self.op = store, op
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, et: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        if exc is None or isinstance(exc, BlockStoreError):
+            return
+        s = self.store
+        if isinstance(exc, s._errors):
+            raise StoreUnavailableError(
+                f"redis store {s.url} unavailable during {self.op} (timeout {s.timeout}s): {exc}"
+            ) from exc
+        if isinstance(exc, s._redis_error):
+            raise BlockStoreError(f"redis store {s.url} failed during {self.op}: {exc}") from exc
