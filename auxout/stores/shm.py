@@ -36,7 +36,6 @@ import secrets
 import threading
 import time
 import weakref
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -45,10 +44,10 @@ from auxout.errors import (
     BlockStoreError,
     InvariantError,
     ObjectMissingError,
-    StoreCapacityError,
     StoreClosedError,
 )
-from auxout.stores.base import StoreObject, check_payload
+from auxout.stores.base import StoreObject
+from auxout.stores.slots import SlotIndex
 
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "auxout-"
@@ -57,7 +56,6 @@ _MAGIC = int.from_bytes(b"AUXSHM01", "little")
 _HEADER = 4096
 # header u64 fields
 _H_MAGIC, _H_OBJ, _H_SLOTS, _H_PID, _H_START, _H_GEN, _H_CLOSED = range(7)
-_UNWRITTEN = -1
 _READ_DEADLINE_S = 5.0
 
 
@@ -208,10 +206,7 @@ class SharedMemoryStore:
         h[_H_OBJ], h[_H_SLOTS], h[_H_PID] = object_nbytes, self.num_slots, pid
         h[_H_START], h[_H_GEN], h[_H_CLOSED] = _proc_start_time(pid), 0, 0
         h[_H_MAGIC] = _MAGIC  # last: readers check it
-        self._lru: OrderedDict[str, int] = OrderedDict()
-        self._refs: dict[str, int] = {}
-        self._free: list[int] = []
-        self._next_slot = 0
+        self._slots = SlotIndex(self.num_slots, "shared-memory route store")
         self._lock = threading.Lock()
         # unlink on normal interpreter exit too; SIGKILL leaves it for sweep_stale()
         self._finalizer = weakref.finalize(self, _unlink_quietly, self._path)
@@ -245,6 +240,7 @@ class SharedMemoryStore:
             raise BlockStoreError(f"shared-memory segment {name!r} is not an auxout store (bad header)")
         self = cls.__new__(cls)
         self.name, self.object_nbytes, self.num_slots, self.readonly = name, obj, slots, True
+        self._slots = SlotIndex(0, "shared-memory route store reader")
         self._path = path
         self._map = _Mapping(mm, slots, obj, writable=False)
         self._lock = threading.Lock()
@@ -258,10 +254,10 @@ class SharedMemoryStore:
         return f"shm://{self.name}"
 
     def __len__(self) -> int:
-        return len(self._lru) if not self.readonly else int(np.count_nonzero(self._live().lens))
+        return len(self._slots.lru) if not self.readonly else int(np.count_nonzero(self._live().lens))
 
     def references(self, key: str) -> int:
-        return self._refs.get(key, 0)
+        return self._slots.refs.get(key, 0)
 
     # -- protocol ------------------------------------------------------------------------------
     def put(
@@ -271,32 +267,15 @@ class SharedMemoryStore:
             m = self._live()
             if self.readonly:
                 raise BlockStoreError(f"shared-memory store {self.name!r} is opened read-only; only its owner writes")
-            unique: dict[str, memoryview] = {}
-            for key, payload in objects:
-                if key not in unique:
-                    unique[key] = check_payload(key, payload, self.object_nbytes)
-            for key in retain:
-                self._change_ref(key, +1)
-            terminal: list[str] = []
-            for key in release:
-                if self._change_ref(key, -1) == 0:
-                    terminal.append(key)
-            lru = self._lru
-            for key in unique:
-                if key in lru:
-                    lru.move_to_end(key)
-                else:
-                    lru[key] = _UNWRITTEN
-            for key in terminal:
-                if key in lru:
-                    lru.move_to_end(key)
-            excess = len(lru) - self.num_slots
-            if excess > 0:
-                terminal_set = set(terminal)
-                self._evict(m, excess, {k for k in unique if k not in terminal_set}, unique)
-            new = [k for k in unique if lru.get(k) == _UNWRITTEN]
+            new, payloads, slots, freed = self._slots.plan_put(objects, retain, release, self.object_nbytes)
+            if freed:
+                idx = np.asarray(freed, dtype=np.int64)
+                m.seq[idx] += 1  # odd: readers discard any copy that overlaps
+                m.dig[idx] = 0
+                m.lens[idx] = 0
+                m.seq[idx] += 1
             if new:
-                self._write(m, new, [unique[k] for k in new])
+                self._write(m, new, payloads, slots)
             m.header[_H_GEN] += 1
 
     def get_concatenated(self, keys: Sequence[str]) -> bytes:
@@ -306,27 +285,19 @@ class SharedMemoryStore:
                 return b""
             if self.readonly:
                 return self._reader_get(m, keys)
-            lru = self._lru
-            slots = [lru.get(k, _UNWRITTEN) for k in keys]
-            if _UNWRITTEN in slots:
-                missing = [k for k, s in zip(keys, slots) if s == _UNWRITTEN]
-                raise ObjectMissingError(
-                    missing,
-                    f"the object may have been evicted (used={len(lru)}, limit={self.num_slots} objects); "
-                    "increase the store's max_bytes when a KV cache hit requires it",
-                )
+            slots = self._slots.lookup(
+                keys,
+                f"the object may have been evicted (used={len(self._slots.lru)}, limit={self.num_slots} objects); "
+                "increase the store's max_bytes when a KV cache hit requires it",
+            )
             idx = np.asarray(slots, dtype=np.int64)
-            out = _concat(m.data[idx], m.lens[idx], self.object_nbytes)
-            for k in keys:
-                lru.move_to_end(k)
-            return out
+            return _concat(m.data[idx], m.lens[idx], self.object_nbytes)
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
         with self._lock:
             m = self._live()
             if not self.readonly:
-                lru = self._lru
-                return [lru.get(k, _UNWRITTEN) != _UNWRITTEN for k in keys]
+                return self._slots.contains(keys)
             if not keys:
                 return []
             want = _digests(keys)
@@ -347,8 +318,7 @@ class SharedMemoryStore:
             self._map = None
             if not self.readonly:
                 m.header[_H_CLOSED] = 1
-                self._lru.clear()
-                self._refs.clear()
+                self._slots.clear()
                 _unlink_quietly(self._path)
                 self._finalizer.detach()
                 atexit.unregister(self._finalizer)
@@ -369,51 +339,7 @@ class SharedMemoryStore:
             raise StoreClosedError(f"SharedMemoryStore {self.name!r} (its owner closed it)")
         return m
 
-    def _change_ref(self, key: str, delta: int) -> int:
-        old = self._refs.get(key, 0)
-        new = old + delta
-        if new < 0:
-            raise InvariantError(f"SharedMemoryStore release of {key!r} which no live request references")
-        if new:
-            self._refs[key] = new
-        else:
-            del self._refs[key]
-        return new
-
-    def _evict(self, m: _Mapping, excess: int, protected: set[str], unique: dict[str, memoryview]) -> None:
-        refs, lru = self._refs, self._lru
-        victims: list[str] = []
-        for key in lru:
-            if key not in refs and key not in protected:
-                victims.append(key)
-                if len(victims) == excess:
-                    break
-        if len(victims) < excess:
-            for k in [k for k in unique if lru.get(k) == _UNWRITTEN]:
-                del lru[k]
-            raise StoreCapacityError(
-                f"shared-memory route store cannot retain the requested batch: limit={self.num_slots} objects, "
-                f"{len(refs)} referenced by live requests; nothing from this batch was written"
-            )
-        freed = [s for s in (lru.pop(k) for k in victims) if s != _UNWRITTEN]
-        if freed:
-            idx = np.asarray(freed, dtype=np.int64)
-            m.seq[idx] += 1  # odd: readers discard any copy that overlaps
-            m.dig[idx] = 0
-            m.lens[idx] = 0
-            m.seq[idx] += 1
-            self._free.extend(freed)
-
-    def _write(self, m: _Mapping, keys: list[str], views: list[memoryview]) -> None:
-        slots: list[int] = []
-        for _ in keys:
-            if self._free:
-                slots.append(self._free.pop())
-            elif self._next_slot < self.num_slots:
-                slots.append(self._next_slot)
-                self._next_slot += 1
-            else:
-                raise InvariantError("SharedMemoryStore slot accounting broken: no free slot after eviction")
+    def _write(self, m: _Mapping, keys: list[str], views: list[memoryview], slots: list[int]) -> None:
         idx = np.asarray(slots, dtype=np.int64)
         lens = np.fromiter((v.nbytes for v in views), dtype=np.uint64, count=len(views))
         m.seq[idx] += 1  # odd: slot being (re)written
@@ -425,8 +351,6 @@ class SharedMemoryStore:
             for s, v in zip(slots, views):
                 m.data[s, : v.nbytes] = np.frombuffer(v, dtype=np.uint8)
         m.seq[idx] += 1
-        for k, s in zip(keys, slots):
-            self._lru[k] = s
 
     # -- reader internals -------------------------------------------------------------------------
     def _lookup(self, m: _Mapping, want: np.ndarray, *, refresh: bool = False) -> np.ndarray:

@@ -1,0 +1,143 @@
+"""Reference counts, LRU order and slot allocation of a fixed-slot store (arena, shared memory).
+
+Keys are pinned by live requests (possibly before their data exists); unreferenced keys age
+out LRU. Released keys move to the recent end in release order, so a chain released tail-first
+loses its tail first, as the KV cache's free queue does. A batch that cannot fit is rejected
+whole: keys it registered are rolled back and ``StoreCapacityError`` is raised.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+from auxout.errors import InvariantError, ObjectMissingError, StoreCapacityError
+from auxout.stores.base import StoreObject, check_payload
+from auxout.stores.policy import EvictionPolicy
+
+UNWRITTEN = -1
+
+
+class SlotIndex:
+    """Which key lives in which slot, who pins it, and what to evict; no payload bytes."""
+
+    def __init__(self, num_slots: int, owner: str, policy: EvictionPolicy | None = None) -> None:
+        self.num_slots = num_slots
+        self.owner = owner
+        self.policy = policy
+        self.lru: OrderedDict[str, int] = OrderedDict()  # oldest first; value = slot
+        self.refs: dict[str, int] = {}
+        self.free: list[int] = []
+        self.next_slot = 0
+
+    def plan_put(
+        self, objects: Sequence[StoreObject], retain: Iterable[str], release: Iterable[str], object_nbytes: int
+    ) -> tuple[list[str], list[memoryview], list[int], list[int]]:
+        """Apply retains, releases and recency; evict to fit.
+
+        Returns ``(new_keys, payloads, slots, freed)``: the keys to write with their payloads and
+        freshly assigned slots, and the slots of evicted objects (the caller invalidates them).
+        """
+        unique: dict[str, memoryview] = {}
+        for key, payload in objects:
+            if key not in unique:
+                unique[key] = check_payload(key, payload, object_nbytes)
+        for key in retain:
+            self._change_ref(key, +1)
+        terminal = [key for key in release if self._change_ref(key, -1) == 0]
+        lru = self.lru
+        for key in unique:
+            if key in lru:
+                lru.move_to_end(key)  # objects are immutable: a re-put only refreshes recency
+            else:
+                lru[key] = UNWRITTEN
+        for key in terminal:
+            if key in lru:
+                lru.move_to_end(key)
+        freed: list[int] = []
+        excess = len(lru) - self.num_slots
+        if excess > 0:
+            terminal_set = set(terminal)
+            freed = self._evict(excess, {k for k in unique if k not in terminal_set}, unique)
+        new = [k for k in unique if lru.get(k) == UNWRITTEN]
+        slots = [self._take_slot() for _ in new]
+        for k, s in zip(new, slots):
+            lru[k] = s
+        return new, [unique[k] for k in new], slots, freed
+
+    def lookup(self, keys: Sequence[str], detail: str) -> list[int]:
+        """Slots of ``keys`` (touching them); ``ObjectMissingError`` naming every absent key."""
+        lru = self.lru
+        slots = [lru.get(k, UNWRITTEN) for k in keys]
+        if UNWRITTEN in slots:
+            raise ObjectMissingError([k for k, s in zip(keys, slots) if s == UNWRITTEN], detail)
+        for k in keys:
+            lru.move_to_end(k)
+        return slots
+
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        lru = self.lru
+        return [lru.get(k, UNWRITTEN) != UNWRITTEN for k in keys]
+
+    def clear(self) -> None:
+        self.lru.clear()
+        self.refs.clear()
+
+    def _take_slot(self) -> int:
+        if self.free:
+            return self.free.pop()
+        if self.next_slot >= self.num_slots:
+            raise InvariantError(f"{self.owner} slot accounting broken: no free slot after eviction")
+        self.next_slot += 1
+        return self.next_slot - 1
+
+    def _change_ref(self, key: str, delta: int) -> int:
+        old = self.refs.get(key, 0)
+        new = old + delta
+        if new < 0:
+            raise InvariantError(f"{self.owner} release of {key!r} which no live request references")
+        if new:
+            self.refs[key] = new
+        else:
+            del self.refs[key]
+        if self.policy is not None:
+            self.policy.on_reference_change(key, old, new)
+        return new
+
+    def _evict(self, excess: int, protected: set[str], unique: dict[str, memoryview]) -> list[int]:
+        refs, lru = self.refs, self.lru
+        victims: list[str] = []
+        if self.policy is None:
+            for key in lru:
+                if key not in refs and key not in protected:
+                    victims.append(key)
+                    if len(victims) == excess:
+                        break
+            ok = len(victims) == excess
+        else:
+            candidates = [k for k in lru if k not in refs and k not in protected]
+            chosen = self.policy.select_victims(candidates, excess)
+            cand = set(candidates)
+            ok = (
+                chosen is not None
+                and len(chosen) == excess
+                and len(set(chosen)) == excess
+                and all(k in cand for k in chosen)
+            )
+            victims = list(chosen) if ok and chosen is not None else []
+        if not ok:
+            rolled = [k for k in unique if lru.get(k) == UNWRITTEN]
+            for k in rolled:
+                del lru[k]
+            if self.policy is not None and rolled:
+                self.policy.on_remove(rolled, "rollback")
+            raise StoreCapacityError(
+                f"{self.owner} cannot retain the requested batch: limit={self.num_slots} objects, "
+                f"{len(refs)} referenced by live requests; nothing from this batch was written "
+                "(raise max_bytes, or lower max_num_seqs / KV cache size)"
+            )
+        freed = [s for s in (lru.pop(k) for k in victims) if s != UNWRITTEN]
+        self.free.extend(freed)
+        if self.policy is not None:
+            self.policy.on_remove(victims, "eviction")
+        return freed
