@@ -26,12 +26,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from auxout.errors import BlockStoreError, CorruptObjectError, InvariantError, StoreCapacityError
+from auxout.errors import BlockStoreError, InvariantError, StoreCapacityError
 from auxout.keys import KeySpace
 from auxout.metadata import StepMetadata, StepOutput
 from auxout.profile import RouteProfile
 from auxout.staging import StagingPool, staging_pool_blocks
-from auxout.stores.base import BlockStore
+from auxout.stores.base import BlockStore, read_into
 
 _I64 = np.int64
 
@@ -606,15 +606,7 @@ class WorkerConnector:
 
     def _store_read(self, keys: list[str], out: np.ndarray) -> None:
         """Fill ``out`` (C-contiguous rows) with the payloads of ``keys``, checking the length."""
-        view = memoryview(out.reshape(-1).view(np.uint8).data)  # type: ignore[arg-type]
-        reader = getattr(self.store, "read_into", None)
-        if reader is not None:
-            reader(keys, view)
-            return
-        blob = self.store.get_concatenated(keys)
-        if len(blob) != view.nbytes:
-            raise CorruptObjectError(f"store returned {len(blob)} bytes for {len(keys)} blocks; expected {view.nbytes}")
-        view[:] = blob
+        read_into(self.store, keys, memoryview(out.reshape(-1).view(np.uint8).data))  # type: ignore[arg-type]
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _check_open(self) -> None:

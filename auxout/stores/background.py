@@ -15,8 +15,8 @@ import queue
 import threading
 from collections.abc import Iterable, Sequence
 
-from auxout.errors import CorruptObjectError, PublicationError, StoreCapacityError, StoreClosedError
-from auxout.stores.base import BlockStore, StoreObject, check_payload
+from auxout.errors import PublicationError, StoreCapacityError, StoreClosedError
+from auxout.stores.base import BlockStore, StoreObject, check_payload, read_into
 
 _Item = tuple[Sequence[StoreObject], tuple[str, ...], tuple[str, ...]]
 
@@ -65,14 +65,7 @@ class BackgroundStore:
     def read_into(self, keys: Sequence[str], out: memoryview) -> None:
         """Copy payloads into ``out`` (inner ``read_into`` when it has one)."""
         self._drain_for(keys)
-        reader = getattr(self.inner, "read_into", None)
-        if reader is not None:
-            reader(keys, out)
-            return
-        blob = self.inner.get_concatenated(keys)
-        if len(blob) != out.nbytes:
-            raise CorruptObjectError(f"{len(keys)} objects hold {len(blob)} bytes; the reader expects {out.nbytes}")
-        out[:] = blob
+        read_into(self.inner, keys, out)
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
         self._drain_for(keys)

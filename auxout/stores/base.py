@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
-from auxout.errors import ObjectMissingError
+from auxout.errors import CorruptObjectError, ObjectMissingError
 
 Buffer = bytes | bytearray | memoryview
 StoreObject = tuple[str, Buffer]
@@ -51,6 +51,19 @@ def check_payload(key: str, payload: Buffer, object_nbytes: int) -> memoryview:
     if not 0 < view.nbytes <= object_nbytes:
         raise ValueError(f"object {key!r} has {view.nbytes} bytes; expected 1..{object_nbytes}")
     return view
+
+
+def read_into(store: BlockStore, keys: Sequence[str], out: memoryview) -> None:
+    """Copy the payloads of ``keys`` into ``out``: the store's own ``read_into`` (one copy) when it
+    has one, else ``get_concatenated`` plus a length check (a short or long payload never passes)."""
+    reader = getattr(store, "read_into", None)
+    if reader is not None:
+        reader(keys, out)
+        return
+    blob = store.get_concatenated(keys)
+    if len(blob) != out.nbytes:
+        raise CorruptObjectError(f"{len(keys)} objects hold {len(blob)} bytes; the reader expects {out.nbytes}")
+    out[:] = blob
 
 
 def raise_missing(keys: Sequence[str], present: Sequence[bool], detail: str = "") -> None:
