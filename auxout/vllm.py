@@ -1,0 +1,11 @@
+"""Routed experts from vLLM: ``LLM(model, **auxout.vllm.engine_kwargs())``.
+
+Every ``CompletionOutput.routed_experts`` then holds ``[num_tokens - 1 - prompt_start,
+num_moe_layers, top_k]`` expert ids (uint8/uint16), bit-exact under prefix caching, chunked
+prefill, speculative decoding and preemption. Opt a request out with
+``SamplingParams(extra_args={"return_routed_experts": False})``.
+"""
+
+from auxout.integrations.vllm import REQUEST_FLAG, VllmOptions, engine_kwargs
+
+__all__ = ["REQUEST_FLAG", "VllmOptions", "engine_kwargs"]

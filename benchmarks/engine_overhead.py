@@ -1,0 +1,93 @@
+"""Engine throughput with auxout routes on vs a plain vLLM engine: same workload, same process.
+
+Both engines stay alive (an idle vLLM engine sleeps) and runs alternate on/off/on/off, so
+background load on the machine hits both alike; the reported ratio is the median of per-pair
+ratios (on throughput / off throughput; target >= 0.97).
+
+    python benchmarks/engine_overhead.py [--arch qwen3_moe] [--pairs 5] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+
+def make_engine(path: str, routes: bool, args: argparse.Namespace) -> Any:
+    from vllm import LLM
+
+    from auxout.vllm import engine_kwargs
+
+    extra = engine_kwargs() if routes else {"enable_prefix_caching": True}
+    return LLM(
+        model=path, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, block_size=32,
+        max_model_len=2048, seed=0, max_num_seqs=args.batch, disable_log_stats=True, **extra,
+    )  # fmt: skip
+
+
+def workload(args: argparse.Namespace, rep: int) -> list[dict[str, list[int]]]:
+    rng = np.random.default_rng(1000 + rep)  # fresh prompts each rep: no cross-rep prefix hits
+    return [{"prompt_token_ids": rng.integers(3, 1000, size=args.prompt).tolist()} for _ in range(args.batch)]
+
+
+def run_once(llm: Any, args: argparse.Namespace, rep: int) -> float:
+    """Tokens (prompt + generated) per second for one batch."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=args.gen, temperature=0.0, ignore_eos=True, detokenize=False)
+    prompts = workload(args, rep)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    return sum(len(p["prompt_token_ids"]) + len(o.outputs[0].token_ids) for p, o in zip(prompts, outs)) / dt
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arch", default="qwen3_moe")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--prompt", type=int, default=256)
+    p.add_argument("--gen", type=int, default=128)
+    p.add_argument("--pairs", type=int, default=5)
+    p.add_argument("--profile", action="store_true", help="cProfile the routes-on runs (in-process engine)")
+    args = p.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if args.profile:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from auxout.models import build_tiny_moe
+
+    path = build_tiny_moe(args.arch)
+    on = make_engine(path, True, args)
+    off = make_engine(path, False, args)
+    run_once(on, args, -1)  # warm-up both
+    run_once(off, args, -1)
+    ratios, t_on, t_off = [], [], []
+    for rep in range(args.pairs):
+        if args.profile:
+            import cProfile
+            import pstats
+
+            prof = cProfile.Profile()
+            prof.enable()
+            a = run_once(on, args, rep)
+            prof.disable()
+            pstats.Stats(prof).sort_stats("cumulative").print_stats("auxout", 25)
+        else:
+            a = run_once(on, args, rep)
+        b = run_once(off, args, rep)
+        t_on.append(a)
+        t_off.append(b)
+        ratios.append(a / b)
+        print(f"pair {rep}: on {a:.0f} tok/s, off {b:.0f} tok/s, ratio {a / b:.3f}")
+    print(f"median throughput on {statistics.median(t_on):.0f} tok/s, off {statistics.median(t_off):.0f} tok/s")
+    print(f"throughput ratio (on/off, median of pairs): {statistics.median(ratios):.3f}  (target >= 0.97)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,103 @@
+"""Helpers shared by the vLLM tests: engines with auxout, and the transformers full-forward oracle."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+ENGINE_ARGS: dict[str, Any] = {
+    "skip_tokenizer_init": True,
+    "dtype": "float32",
+    "enforce_eager": True,
+    "block_size": 32,  # the CPU attention backend needs multiples of 32
+    "seed": 0,
+    "disable_log_stats": False,
+}
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def make_llm(path: str, **kw: Any) -> Any:
+    from vllm import LLM
+
+    from auxout.vllm import engine_kwargs
+
+    return LLM(model=path, **{**ENGINE_ARGS, **engine_kwargs(), **kw})
+
+
+def greedy(max_tokens: int, **kw: Any) -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False, **kw)
+
+
+def random_prompt(rng: np.random.Generator, n: int) -> list[int]:
+    return rng.integers(3, 1000, size=n).tolist()
+
+
+def metric(llm: Any, name: str) -> float:
+    """Sum of one counter across labels (0 if absent)."""
+    total = 0.0
+    for m in llm.get_metrics():
+        if m.name == name:
+            total += float(getattr(m, "value", 0) or 0)
+    return total
+
+
+class Oracle:
+    """transformers fp32 full forward of the same checkpoint: the routes every engine output must equal."""
+
+    def __init__(self, path: str) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    def routes(self, tokens: Sequence[int]) -> np.ndarray:
+        try:
+            from auxout.hf import capture_routes
+        except ImportError:  # pragma: no cover - before auxout.hf existed
+            capture_routes = _hook_routes
+        return capture_routes(self.model, list(tokens))
+
+    def check(self, prompt: Sequence[int], completion: Any, prompt_start: int = 0) -> np.ndarray:
+        """Assert the completion's routes equal the oracle's on prompt+output; return them."""
+        tokens = list(prompt) + list(completion.token_ids)
+        got = completion.routed_experts
+        assert got is not None, "routes missing"
+        expected = self.routes(tokens)[prompt_start : len(tokens) - 1]
+        assert got.shape == expected.shape == (len(tokens) - 1 - prompt_start, *expected.shape[1:])
+        assert got.dtype == expected.dtype
+        # Top-k order inside a row is a kernel detail (vLLM's CPU top-k and transformers' differ);
+        # the selected expert set per (token, layer) must match exactly.
+        same = np.sort(got, axis=-1) == np.sort(expected, axis=-1)
+        bad = np.argwhere(~same.all(axis=-1))
+        assert bad.size == 0, f"{len(bad)} (token, layer) route mismatches, first at {bad[:5].tolist()}"
+        return got
+
+
+def _hook_routes(model: Any, tokens: list[int]) -> np.ndarray:  # pragma: no cover
+    import torch
+
+    routers = [m for m in model.modules() if type(m).__name__.endswith(("TopKRouter", "TopkRouter"))]
+    ids: list[torch.Tensor] = []
+    hooks = [r.register_forward_hook(lambda mod, a, out: ids.append(out[2].detach().clone())) for r in routers]
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.tensor([tokens]), use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return torch.stack(ids, dim=1).numpy().astype(np.uint8)
+
+
+def close_llm(llm: Any) -> None:
+    """Stop the engine-core process now (module teardown), not whenever the LLM is collected."""
+    import gc
+
+    core = getattr(llm.llm_engine, "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+    gc.collect()

@@ -1,0 +1,173 @@
+"""Routes from a real vLLM engine equal transformers' full forward, bit for bit (fp32).
+
+One engine for the module (Qwen3-MoE, default multiprocess engine core): chunked prefill (64-token
+steps) and ngram speculative decoding are on for every request, so each scenario below also
+runs through both.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from routes_oracle import Oracle, close_llm, greedy, make_llm, metric, random_prompt
+
+pytestmark = pytest.mark.vllm
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
+
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    from auxout.models import build_tiny_moe
+
+    return build_tiny_moe("qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def llm(model_path: str):
+    engine = make_llm(
+        model_path, max_model_len=1024, max_num_batched_tokens=64, max_num_seqs=8, speculative_config=SPEC
+    )
+    yield engine
+    close_llm(engine)
+
+
+@pytest.fixture(scope="module")
+def oracle(model_path: str) -> Oracle:
+    return Oracle(model_path)
+
+
+def run(llm, prompts, params):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0] for o in outs], outs
+
+
+def test_cold_request(llm, oracle):
+    prompt = random_prompt(np.random.default_rng(1), 45)
+    (c,), (o,) = run(llm, [prompt], greedy(12))
+    assert o.num_cached_tokens == 0
+    rows = oracle.check(prompt, c)
+    assert rows.shape == (45 + 12 - 1, 2, 4)
+
+
+def test_prefix_cache_hit_is_bit_exact_with_cold(llm, oracle):
+    rng = np.random.default_rng(2)
+    first = random_prompt(rng, 70)
+    (c1,), _ = run(llm, [first], greedy(10))
+    oracle.check(first, c1)
+    second = first + list(c1.token_ids) + random_prompt(rng, 30)
+    (c2,), (o2,) = run(llm, [second], greedy(10))
+    assert o2.num_cached_tokens >= 64
+    rows2 = oracle.check(second, c2)
+    # Raw engine ids of the shared prefix: served from the store vs computed cold.
+    assert np.array_equal(rows2[: len(first) + 9], c1.routed_experts[: len(first) + 9])
+
+
+def test_chunked_prefill_long_prompt(llm, oracle):
+    prompt = random_prompt(np.random.default_rng(3), 300)  # 5 chunks of 64 tokens
+    (c,), _ = run(llm, [prompt], greedy(8))
+    oracle.check(prompt, c)
+
+
+def test_speculative_decoding_accepts_and_rejects(llm, oracle):
+    rng = np.random.default_rng(4)
+    motif = random_prompt(rng, 6)
+    prompts = [motif * 8 + random_prompt(rng, 5) for _ in range(2)] + [random_prompt(rng, 40)]
+    drafted0 = metric(llm, "vllm:spec_decode_num_draft_tokens")
+    accepted0 = metric(llm, "vllm:spec_decode_num_accepted_tokens")
+    comps, _ = run(llm, prompts, greedy(40))
+    for p, c in zip(prompts, comps, strict=True):
+        oracle.check(p, c)
+    drafted = metric(llm, "vllm:spec_decode_num_draft_tokens") - drafted0
+    accepted = metric(llm, "vllm:spec_decode_num_accepted_tokens") - accepted0
+    assert drafted > 0 and 0 < accepted < drafted, (drafted, accepted)
+
+
+@pytest.mark.parametrize("where", ["zero", "mid", "prompt_len"])
+def test_prompt_start(llm, oracle, where):
+    prompt = random_prompt(np.random.default_rng(5), 50)
+    start = {"zero": 0, "mid": 23, "prompt_len": 50}[where]
+    (c,), _ = run(llm, [prompt], greedy(6, routed_experts_prompt_start=start))
+    rows = oracle.check(prompt, c, prompt_start=start)
+    assert len(rows) == 50 + 6 - 1 - start
+
+
+def test_prompt_start_beyond_prompt_is_rejected_and_engine_keeps_serving(llm, oracle):
+    prompt = random_prompt(np.random.default_rng(6), 20)
+    from vllm.exceptions import VLLMValidationError
+
+    for bad in (21, -1):
+        with pytest.raises(VLLMValidationError, match="routed_experts_prompt_start"):
+            run(llm, [prompt], greedy(4, routed_experts_prompt_start=bad))
+    (c,), _ = run(llm, [prompt], greedy(4))
+    oracle.check(prompt, c)
+
+
+def test_opt_out_still_publishes_prefix(llm, oracle):
+    rng = np.random.default_rng(7)
+    first = random_prompt(rng, 96)
+    (c1,), _ = run(llm, [first], greedy(5, extra_args={"return_routed_experts": False}))
+    assert c1.routed_experts is None
+    second = first + list(c1.token_ids) + random_prompt(rng, 10)
+    (c2,), (o2,) = run(llm, [second], greedy(5))
+    assert o2.num_cached_tokens >= 96
+    oracle.check(second, c2)
+
+
+def test_bad_opt_out_value_fails_only_that_request(llm, oracle):
+    prompt = random_prompt(np.random.default_rng(8), 20)
+    comps, outs = run(
+        llm, [prompt, prompt], [greedy(4, extra_args={"return_routed_experts": "no"}), greedy(4)]
+    )
+    assert outs[0].outputs[0].finish_reason == "error"
+    oracle.check(prompt, comps[1])
+
+
+def test_concurrent_requests_sharing_a_prefix(llm, oracle):
+    rng = np.random.default_rng(9)
+    base = random_prompt(rng, 64)
+    prompts = [base + random_prompt(rng, k) for k in (3, 40, 77)] + [random_prompt(rng, 33)]
+    comps, _ = run(llm, prompts, greedy(16))
+    for p, c in zip(prompts, comps, strict=True):
+        oracle.check(p, c)
+
+
+def test_abort_mid_generation(llm, oracle):
+    engine = llm.llm_engine
+    rng = np.random.default_rng(10)
+    prompts = {f"abort-{i}": random_prompt(rng, 40 + 10 * i) for i in range(3)}
+    for rid, p in prompts.items():
+        engine.add_request(rid, {"prompt_token_ids": p}, greedy(30))
+    done = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        steps += 1
+        if steps == 8:
+            assert "abort-1" not in done, "request finished before the abort: lengthen it"
+            engine.abort_request(["abort-1"])
+    assert "abort-1" not in done or done["abort-1"].outputs[0].finish_reason == "abort"
+    for rid in ("abort-0", "abort-2"):
+        oracle.check(prompts[rid], done[rid].outputs[0])
+    # The aborted request's published prefix is reusable by a later request.
+    again = prompts["abort-1"] + random_prompt(rng, 5)
+    (c,), (o,) = run(llm, [again], greedy(4))
+    assert o.num_cached_tokens >= 32
+    oracle.check(again, c)
+
+
+def test_reset_prefix_cache_between_turns(llm, oracle):
+    rng = np.random.default_rng(11)
+    first = random_prompt(rng, 80)
+    (c1,), _ = run(llm, [first], greedy(6))
+    assert llm.reset_prefix_cache()
+    second = first + list(c1.token_ids) + random_prompt(rng, 8)
+    (c2,), (o2,) = run(llm, [second], greedy(6))
+    assert o2.num_cached_tokens == 0
+    oracle.check(second, c2)
+    third = second + list(c2.token_ids) + random_prompt(rng, 8)
+    (c3,), (o3,) = run(llm, [third], greedy(6))
+    assert o3.num_cached_tokens >= 64
+    oracle.check(third, c3)

@@ -1,0 +1,86 @@
+"""Engine-free checks of the vLLM integration's option plumbing and step arithmetic."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from auxout.integrations.vllm.options import (
+    CONFIG_KEY,
+    ENV_VAR,
+    VllmOptions,
+    normalize_flag,
+    options_from_vllm_config,
+)
+
+
+class _Cfg:
+    def __init__(self, extra: dict | None) -> None:
+        self.additional_config = extra
+
+
+def test_options_validate_and_round_trip():
+    opts = VllmOptions(store="arena", max_bytes=1 << 20, default_return=False, namespace="ns")
+    assert VllmOptions.from_dict(opts.to_dict()) == opts
+    for bad in ({"max_bytes": 0}, {"max_bytes": True}, {"default_return": "yes"}, {"namespace": ""}):
+        with pytest.raises(ValueError):
+            VllmOptions.from_dict(bad)
+    with pytest.raises(ValueError, match="unknown auxout option"):
+        VllmOptions.from_dict({"max_byte": 1})
+
+
+def test_options_come_from_config_then_env(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, json.dumps({"namespace": "from-env"}))
+    assert options_from_vllm_config(_Cfg({CONFIG_KEY: {"namespace": "from-config"}})).namespace == "from-config"
+    assert options_from_vllm_config(_Cfg(None)).namespace == "from-env"
+    monkeypatch.delenv(ENV_VAR)
+    assert options_from_vllm_config(_Cfg({})) == VllmOptions()
+
+
+def test_engine_kwargs_carry_options():
+    from auxout.vllm import engine_kwargs
+
+    kw = engine_kwargs(max_bytes=4096, default_return=False)
+    assert kw["scheduler_cls"].endswith("AuxoutScheduler")
+    assert kw["worker_cls"].endswith("AuxoutCPUWorker")
+    assert kw["enable_prefix_caching"] is True and kw["async_scheduling"] is False
+    assert options_from_vllm_config(_Cfg(kw["additional_config"])) == VllmOptions(max_bytes=4096, default_return=False)
+    with pytest.raises(ValueError):
+        engine_kwargs(store_name="arena")
+
+
+def test_serve_argv_merges_user_additional_config():
+    from auxout.integrations.vllm.serve import vllm_argv
+
+    argv = vllm_argv(["/m", "--port", "9", "--auxout-namespace", "a", "--additional-config", '{"x": 1}'])
+    assert argv[:4] == ["--model", "/m", "--port", "9"]
+    extra = json.loads(argv[argv.index("--additional-config") + 1])
+    assert extra["x"] == 1 and extra[CONFIG_KEY]["namespace"] == "a"
+    assert "--enable-prefix-caching" in argv and "--no-async-scheduling" in argv
+    assert argv.count("--additional-config") == 1
+
+
+def test_request_flag_normalization_and_check():
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    from auxout.integrations.vllm.validation import check_request_flag
+
+    assert normalize_flag(0) is False and normalize_flag(1) is True and normalize_flag(2) == 2
+    check_request_flag(SamplingParams(extra_args={"return_routed_experts": 0}))
+    with pytest.raises(VLLMValidationError, match="return_routed_experts"):
+        check_request_flag(SamplingParams(extra_args={"return_routed_experts": "no"}))
+
+
+def test_rejected_rows_count_only_drafted_requests():
+    from auxout.integrations.vllm.worker import num_rejected_tokens
+
+    got = num_rejected_tokens(
+        ["a", "b", "c", "d"],
+        np.array([2, 1, 0, 4]),
+        {"a": 4, "b": 1, "c": 64, "d": 4},
+        {"a": [5, 6, 7], "d": [1, 2, 3]},
+    )
+    assert got.tolist() == [2, 0, 0, 0]
