@@ -68,6 +68,14 @@ class ObjectMissingError(BlockStoreError):
         return (type(self), (self.keys, self.detail))
 
 
+class StoreUnavailableError(BlockStoreError):
+    """The store server could not be reached or timed out; nothing was returned or confirmed.
+
+    Transient: a publication that fails this way is dropped (its keys then read as missing)
+    and the store is used again once the server is back.
+    """
+
+
 class CorruptObjectError(BlockStoreError):
     """A stored payload has the wrong length: truncated or foreign data is never returned."""
 

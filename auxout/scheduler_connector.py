@@ -15,7 +15,7 @@ from typing import Protocol
 
 import numpy as np
 
-from auxout.errors import InvariantError, RequestValidationError, RoutesUnavailableError
+from auxout.errors import BlockStoreError, InvariantError, RequestValidationError, RoutesUnavailableError
 from auxout.keys import PackedHashes
 from auxout.keys_output import KeysPublisher
 from auxout.manifest import RouteManifest
@@ -198,9 +198,12 @@ class SchedulerConnector:
             if not finished:
                 return None
             self._keys_mode.discard(rid)
-            return self.publisher.finish(
-                rid, block_hashes=request.block_hashes, generation=self.generation, token_end=request.num_tokens - 1
-            )
+            try:
+                return self.publisher.finish(
+                    rid, block_hashes=request.block_hashes, generation=self.generation, token_end=request.num_tokens - 1
+                )
+            except BlockStoreError as exc:  # the shared store is down or lost objects: this request fails
+                raise RoutesUnavailableError(rid, f"{type(exc).__name__}: {exc}") from exc
         return rows
 
     def take_outputs(
@@ -208,38 +211,47 @@ class SchedulerConnector:
         output: StepOutput | None,
         requests: Sequence[SchedRequest],
         finished: Sequence[bool] | None = None,
-    ) -> list[np.ndarray | RouteManifest | None]:
+    ) -> list[np.ndarray | RouteManifest | RoutesUnavailableError | None]:
         """``take_output`` for every request that emitted tokens this step, in one call.
 
-        Same results and errors as the per-request call; the common case (inline rows, no
-        errors) is a few list comprehensions instead of one Python call per request.
+        A request whose routes are unavailable gets its ``RoutesUnavailableError`` in its place
+        (fail that request; the others are unaffected); contract violations still raise. The
+        common case (inline rows, no errors) is one tight loop instead of a call per request.
         """
         n = len(requests)
         fin = [False] * n if finished is None else list(finished)
         if output is None or output.errors or self._keys_mode or not self.default_return or n == 0:
-            return [self.take_output(output, r, finished=f) for r, f in zip(requests, fin)]
+            return [self._take_or_error(output, r, f) for r, f in zip(requests, fin)]
         spans = output.span_map()
         get_span, get_opt = spans.get, self._options.get
         rows, extra = output.rows, output.extra
         nrows = len(rows)
-        res: list[np.ndarray | RouteManifest | None] = []
+        res: list[np.ndarray | RouteManifest | RoutesUnavailableError | None] = []
         append = res.append
         for r in requests:
             rid = r.request_id
             sp = get_span(rid)
             opt = get_opt(rid)
             if sp is None or (opt is not None and not opt[1]):
-                return [self.take_output(output, q, finished=f) for q, f in zip(requests, fin)]
+                return [self._take_or_error(output, q, f) for q, f in zip(requests, fin)]
             t, lo, hi = sp
             e = r.num_tokens - 1 - t
             if e < 0 or e > hi - lo:
-                return [self.take_output(output, q, finished=f) for q, f in zip(requests, fin)]
+                return [self._take_or_error(output, q, f) for q, f in zip(requests, fin)]
             if hi <= nrows:
                 append(rows[lo : lo + e])
             else:
                 assert extra is not None
                 append(extra[lo - nrows : lo - nrows + e])
         return res
+
+    def _take_or_error(
+        self, output: StepOutput | None, request: SchedRequest, finished: bool
+    ) -> np.ndarray | RouteManifest | RoutesUnavailableError | None:
+        try:
+            return self.take_output(output, request, finished=finished)
+        except RoutesUnavailableError as exc:
+            return exc
 
     def reset(self) -> None:
         """After a successful prefix-cache reset: new generation, everything re-sent."""

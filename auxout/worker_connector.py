@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from auxout.errors import BlockStoreError, InvariantError, StoreCapacityError
+from auxout.errors import BlockStoreError, InvariantError, StoreCapacityError, StoreUnavailableError
 from auxout.keys import KeySpace
 from auxout.metadata import StepMetadata, StepOutput
 from auxout.profile import RouteProfile
@@ -288,10 +288,10 @@ class WorkerConnector:
             self._teardown(done)
 
     def _put(self, objects: list[tuple[str, memoryview]], retain: Sequence[str], release: Sequence[str]) -> None:
-        """Publish; a batch the store cannot fit is dropped whole (its keys then read as missing)."""
+        """Publish; a batch the store cannot fit or reach is dropped whole (its keys then read as missing)."""
         try:
             self.store.put(objects, retain=retain, release=release)
-        except StoreCapacityError:
+        except (StoreCapacityError, StoreUnavailableError):
             self.dropped_batches += 1
 
     def _release_order(self, slots: Sequence[int]) -> list[str]:

@@ -3,10 +3,11 @@
 Back-pressure: at most ``max_pending`` batches wait; a producer blocks beyond that. A read
 waits for the queue to drain only when one of its keys is still queued, so it observes every
 earlier write of those keys (read-your-writes) without stalling behind unrelated work. A writer
-failure is sticky: later batches are skipped (fail closed) and every later call raises. The one
-exception is ``StoreCapacityError``: the inner store rejected that batch whole and stayed
-consistent, so the batch is counted in ``dropped_batches`` and later reads of its keys fail
-closed with ``ObjectMissingError``, while everything else keeps working.
+failure is sticky: later batches are skipped (fail closed) and every later call raises. Two
+exceptions: ``StoreCapacityError`` (the inner store rejected that batch whole and stayed
+consistent) and ``StoreUnavailableError`` (a remote server is down or slow: transient). Such a
+batch is counted in ``dropped_batches``; later reads of its keys fail closed, while everything
+else keeps working and writes resume when the server is back.
 """
 
 from __future__ import annotations
@@ -15,7 +16,13 @@ import queue
 import threading
 from collections.abc import Iterable, Sequence
 
-from auxout.errors import PublicationError, StoreCapacityError, StoreClosedError
+from auxout.errors import (
+    BlockStoreError,
+    PublicationError,
+    StoreCapacityError,
+    StoreClosedError,
+    StoreUnavailableError,
+)
 from auxout.stores.base import BlockStore, StoreObject, check_payload, read_into
 
 _Item = tuple[Sequence[StoreObject], tuple[str, ...], tuple[str, ...]]
@@ -32,7 +39,7 @@ class BackgroundStore:
         self._queue: queue.Queue[_Item | None] = queue.Queue(maxsize=max_pending)
         self._error: BaseException | None = None
         self.dropped_batches = 0
-        self.last_drop: StoreCapacityError | None = None
+        self.last_drop: BlockStoreError | None = None
         self._closed = False
         self._close_lock = threading.Lock()
         self._queued: dict[str, int] = {}  # keys with a write still in the queue
@@ -127,7 +134,7 @@ class BackgroundStore:
                                     q[key] = n
                                 else:
                                     del q[key]
-            except StoreCapacityError as exc:
+            except (StoreCapacityError, StoreUnavailableError) as exc:
                 self.dropped_batches += 1
                 self.last_drop = exc
             except BaseException as exc:  # noqa: BLE001 - recorded and re-raised on the caller's side

@@ -32,6 +32,7 @@ from auxout.errors import (
     ObjectMissingError,
     StoreCapacityError,
     StoreClosedError,
+    StoreUnavailableError,
 )
 from auxout.stores.base import StoreObject, check_payload
 
@@ -44,6 +45,7 @@ _CODES = {
     -900: "RPC_FAIL (master unreachable)",
 }
 _NO_SPACE = -200
+_RPC_FAIL = -900
 MAX_BATCH_BYTES = 64 * 2**20
 T = TypeVar("T")
 
@@ -61,6 +63,19 @@ class MooncakeCapacityError(MooncakeError, StoreCapacityError):
     """Mooncake's segments have no room for the batch (code -200)."""
 
 
+class MooncakeUnavailableError(MooncakeError, StoreUnavailableError):
+    """The master did not answer (RPC failure or timeout): transient."""
+
+
+def _error(op: str, code: int | None, detail: str = "") -> MooncakeError:
+    """The error class that says what a caller can do about ``code``."""
+    if code is None or code == _RPC_FAIL:
+        return MooncakeUnavailableError(op, code, detail)
+    if code == _NO_SPACE:
+        return MooncakeCapacityError(op, code, detail)
+    return MooncakeError(op, code, detail)
+
+
 def _chunks(n: int, per: int) -> Iterator[slice]:
     for i in range(0, n, per):
         yield slice(i, min(n, i + per))
@@ -72,7 +87,7 @@ def _check_reachable(addr: str, timeout: float) -> None:
         with socket.create_connection((host, int(port)), timeout=timeout):
             return
     except (OSError, ValueError) as exc:
-        raise MooncakeError("connect", -900, f"master {addr} not reachable within {timeout}s: {exc}") from exc
+        raise _error("connect", -900, f"master {addr} not reachable within {timeout}s: {exc}") from exc
 
 
 class MooncakeStore:
@@ -114,7 +129,7 @@ class MooncakeStore:
                 try:
                     native.close()
                 finally:
-                    raise MooncakeError("setup", rc, f"master {master_addr}")
+                    raise _error("setup", rc, f"master {master_addr}")
         self._native: Any = native
         self.op_timeout = op_timeout
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="auxout-mooncake") if op_timeout else None
@@ -147,8 +162,7 @@ class MooncakeStore:
         for sl in _chunks(len(keys), self._per_batch):
             rc = self._call("publication", native.put_batch, keys[sl], values[sl])
             if rc != 0:
-                cls = MooncakeCapacityError if rc == _NO_SPACE else MooncakeError
-                raise cls("publication", rc, f"{sl.stop - sl.start} objects, first {keys[sl.start]!r}")
+                raise _error("publication", rc, f"{sl.stop - sl.start} objects, first {keys[sl.start]!r}")
 
     def get_concatenated(self, keys: Sequence[str]) -> bytes:
         """``get_batch`` in bounded batches; missing keys raise naming all of them."""
@@ -181,7 +195,7 @@ class MooncakeStore:
             codes = self._call("exists", native.batch_is_exist, list(keys[sl]))
             neg = [c for c in codes if c < 0]
             if neg:
-                raise MooncakeError("exists", int(neg[0]))
+                raise _error("exists", int(neg[0]))
             out.extend(c == 1 for c in codes)
         return out
 
@@ -212,14 +226,14 @@ class MooncakeStore:
         stuck = self._stuck
         if stuck is not None:
             if not stuck.done():
-                raise MooncakeError(op, None, f"an earlier call to master {self.master_addr} is still unanswered")
+                raise _error(op, None, f"an earlier call to master {self.master_addr} is still unanswered")
             self._stuck = None
         fut = self._pool.submit(fn, *args)
         try:
             return fut.result(timeout=self.op_timeout)
         except FutureTimeout:
             self._stuck = fut
-            raise MooncakeError(
+            raise _error(
                 op, None, f"no answer from master {self.master_addr} within {self.op_timeout}s"
             ) from None
 
@@ -235,7 +249,7 @@ class MooncakeStore:
             codes = self._call("get", native.batch_is_exist, [keys[i] for i in empty])
             neg = [int(c) for c in codes if c < 0]
             if neg:
-                raise MooncakeError("get", neg[0], f"{len(empty)} object(s) unreadable, first {keys[empty[0]]!r}")
+                raise _error("get", neg[0], f"{len(empty)} object(s) unreadable, first {keys[empty[0]]!r}")
             missing = [keys[i] for i, c in zip(empty, codes) if c == 0]
             if missing:
                 raise ObjectMissingError(missing, f"absent from Mooncake master {self.master_addr}")
@@ -246,4 +260,4 @@ class MooncakeStore:
             if not empty:
                 return
         # exists, yet reads keep returning nothing: a transfer failure, never partial data
-        raise MooncakeError("get", -1, f"objects exist but could not be read, first {keys[empty[0]]!r}")
+        raise _error("get", -1, f"objects exist but could not be read, first {keys[empty[0]]!r}")

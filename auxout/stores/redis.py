@@ -17,15 +17,19 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
 
-from auxout.errors import BlockStoreError, CorruptObjectError, ObjectMissingError, StoreClosedError
+from auxout.errors import (
+    BlockStoreError,
+    CorruptObjectError,
+    ObjectMissingError,
+    StoreClosedError,
+    StoreUnavailableError,
+)
 from auxout.stores.base import StoreObject, check_payload
 
 _BATCH_BYTES = 32 * 2**20
 _BATCH_KEYS = 4096
 
 
-class StoreUnavailableError(BlockStoreError):
-    """The store server could not be reached or timed out; nothing was returned or confirmed."""
 
 
 def _chunks(n: int, per: int) -> Iterator[slice]:

@@ -415,18 +415,10 @@ class SimEngine:
             self._update_hashes(req)
             emitted.append(req)
         finished = [len(r.output) >= r.max_tokens for r in emitted]
-        if output is not None and not output.errors:  # the batched call, as an engine would use it
-            chunks = self.scheduler.take_outputs(output, emitted, finished)
-        else:  # one request's failure must not touch the others
-            chunks = []
-            for req, fin in zip(emitted, finished):
-                try:
-                    chunks.append(self.scheduler.take_output(output, req, finished=fin))
-                except RoutesUnavailableError as exc:
-                    req.error = str(exc)
-                    chunks.append(None)
+        chunks = self.scheduler.take_outputs(output, emitted, finished)
         for req, fin, chunk in zip(emitted, finished, chunks):
-            if req.error is not None:
+            if isinstance(chunk, RoutesUnavailableError):  # fail this request, not the engine
+                req.error = str(chunk)
                 self._finish(req, "error")
                 continue
             if isinstance(chunk, RouteManifest):
