@@ -10,7 +10,7 @@ client of a store both sides can reach (shared memory, Redis, Mooncake).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -32,28 +32,49 @@ class KeysPublisher:
 
     def __init__(
         self,
-        store: BlockStore,
+        store: BlockStore | Callable[[int], BlockStore],
         *,
-        profile: RouteProfile,
         keyspace: KeySpace,
         block_size: int,
+        profile: RouteProfile | None = None,
         address: str | None = None,
         readable_timeout: float = 10.0,
     ) -> None:
-        self.store = store
+        """``store`` may be a factory taking the object size, for a side that learns the route
+        shape only from the first rows it sees (an engine's scheduler process)."""
+        self._store = store if not callable(store) else None
+        self._factory = store if callable(store) else None
         self.profile = profile
         self.keyspace = keyspace
         self.block_size = block_size
-        self.address = address or store_address(store)
+        self._address = address
         self.readable_timeout = readable_timeout
         self._rows: dict[str, list[np.ndarray]] = {}
         self._start: dict[str, int] = {}
+        self._like: dict[str, np.ndarray] = {}  # an empty row array per request: shape and dtype
+
+    @property
+    def store(self) -> BlockStore:
+        if self._store is None:
+            raise PublicationError("keys-only output has no store yet: no routes were seen")
+        return self._store
+
+    @property
+    def address(self) -> str:
+        return self._address or store_address(self.store)
+
+    def _ensure_store(self, rows: np.ndarray) -> None:
+        if self._store is None and self._factory is not None:
+            row_nbytes = rows.dtype.itemsize * int(np.prod(rows.shape[1:]))
+            self._store = self._factory(self.block_size * row_nbytes)
 
     def add(self, request_id: str, token_start: int, rows: np.ndarray) -> None:
         """Accept one step's clipped rows (positions ``token_start ...``)."""
         chunks = self._rows.setdefault(request_id, [])
-        if not chunks:
+        if request_id not in self._start:
             self._start[request_id] = token_start
+            self._like[request_id] = rows[:0]
+            self._ensure_store(rows)
         if len(rows):
             chunks.append(rows)
 
@@ -63,7 +84,15 @@ class KeysPublisher:
         """Manifest of rows ``[first accepted position, token_end)``; publishes what is missing first."""
         chunks = self._rows.pop(request_id, [])
         start = self._start.pop(request_id, token_end)
-        held = np.concatenate(chunks) if chunks else self.profile.empty(0)
+        like = self._like.pop(request_id, None)
+        if chunks:
+            held = np.concatenate(chunks)
+        elif like is not None:
+            held = like
+        elif self.profile is not None:
+            held = self.profile.empty(0)
+        else:
+            raise PublicationError(f"keys-only output for {request_id!r} saw no rows (shape unknown)")
         if start + len(held) != token_end:
             raise PublicationError(
                 f"keys-only output for {request_id!r} holds rows [{start}, {start + len(held)}) "
@@ -97,6 +126,7 @@ class KeysPublisher:
     def discard(self, request_id: str) -> None:
         self._rows.pop(request_id, None)
         self._start.pop(request_id, None)
+        self._like.pop(request_id, None)
 
     def _ensure_readable(self, keys: list[str], held: np.ndarray, start: int) -> None:
         """Wait for the worker's publications; publish blocks it cannot have yet from held rows.

@@ -17,6 +17,12 @@ CONFIG_KEY = "auxout"
 ENV_VAR = "AUXOUT_VLLM_OPTIONS"
 REQUEST_FLAG = "return_routed_experts"
 """``SamplingParams.extra_args`` key that opts one request in or out of returned routes."""
+OUTPUT_FLAG = "routed_experts_output"
+"""``SamplingParams.extra_args`` key choosing ``"inline"`` rows or a ``"keys"`` manifest per request."""
+MANIFEST_FIELD = "auxout_routes_manifest"
+"""Key of the route manifest inside ``RequestOutput.kv_transfer_params`` (keys-only output)."""
+SHARED_STORES = ("redis", "mooncake")
+"""Stores the scheduler process can reach too: keys-only output needs one."""
 
 
 def normalize_flag(value: object) -> object:
@@ -31,15 +37,21 @@ class VllmOptions:
     """``store``: backend name for ``auxout.stores.make_store``; ``max_bytes``: store capacity
     (None = as many route blocks as the KV cache holds hash blocks); ``default_return``: whether
     requests get routes unless they say otherwise; ``namespace``: key namespace in shared stores;
-    ``store_options``: extra keyword arguments for the store."""
+    ``store_options``: extra keyword arguments for the store; ``output``: ``"inline"`` arrays or
+    ``"keys"`` manifests by default (keys needs a shared store: redis or mooncake)."""
 
     store: str = "arena"
     max_bytes: int | None = None
     default_return: bool = True
     namespace: str = "local"
     store_options: dict[str, Any] = field(default_factory=dict)
+    output: str = "inline"
 
     def __post_init__(self) -> None:
+        if self.output not in ("inline", "keys"):
+            raise ValueError(f"auxout option output must be 'inline' or 'keys', got {self.output!r}")
+        if self.output == "keys" and self.store not in SHARED_STORES:
+            raise ValueError(f"auxout output='keys' needs a store both processes reach {SHARED_STORES}, got {self.store!r}")
         if not isinstance(self.store, str) or not self.store:
             raise ValueError(f"auxout option store must be a non-empty string, got {self.store!r}")
         if self.max_bytes is not None and (

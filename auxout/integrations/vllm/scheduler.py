@@ -19,24 +19,45 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import Request, RequestStatus
 
-from auxout.errors import BlockStoreError, InvariantError, RequestValidationError
+from auxout.errors import BlockStoreError, RequestValidationError
 from auxout.integrations.vllm.options import (
+    MANIFEST_FIELD,
+    OUTPUT_FLAG,
     REQUEST_FLAG,
+    SHARED_STORES,
     VllmOptions,
     normalize_flag,
     options_from_vllm_config,
 )
+from auxout.keys import KeySpace
+from auxout.keys_output import KeysPublisher
+from auxout.manifest import RouteManifest
 from auxout.scheduler_connector import SchedulerConnector
+from auxout.stores import BlockStore, make_store
 
 logger = logging.getLogger("auxout.vllm")
 
 
-def request_route_options(request: Any) -> tuple[object, object]:
-    """``(prompt_start, return_routes)`` as the request carries them (validated by the connector)."""
+def request_route_options(request: Any) -> tuple[object, object, object]:
+    """``(prompt_start, return_routes, output)`` as the request carries them (validated by the connector)."""
     params = request.sampling_params
     if params is None:  # pooling request: no sampled tokens, no routes
-        return 0, False
-    return params.routed_experts_prompt_start, normalize_flag((params.extra_args or {}).get(REQUEST_FLAG))
+        return 0, False, None
+    extra = params.extra_args or {}
+    return params.routed_experts_prompt_start, normalize_flag(extra.get(REQUEST_FLAG)), extra.get(OUTPUT_FLAG)
+
+
+def make_publisher(opts: VllmOptions, block_size: int) -> KeysPublisher | None:
+    """A scheduler-side client of the shared store, opened once the route shape is known."""
+    if opts.store not in SHARED_STORES:
+        return None
+
+    def open_store(object_nbytes: int) -> BlockStore:
+        return make_store(
+            opts.store, max_bytes=object_nbytes, object_nbytes=object_nbytes, background=False, **opts.store_options
+        )
+
+    return KeysPublisher(open_store, keyspace=KeySpace(opts.namespace), block_size=block_size)
 
 
 class SchedulerBridge:
@@ -53,6 +74,7 @@ class SchedulerBridge:
         self.connector = connector
         self.failed: dict[str, str] = {}
         self.held: dict[str, list[np.ndarray]] = {}
+        self.manifests: dict[str, dict[str, Any]] = {}
 
     def build_connector_meta(self, scheduler_output: Any, requests: Mapping[str, Request]) -> Any:
         return self.connector.build_metadata(scheduler_output.num_scheduled_tokens, requests)
@@ -76,8 +98,9 @@ class SchedulerBridge:
             return None
         if rows is None:
             return None
-        if not isinstance(rows, np.ndarray):  # keys-only manifests are not wired into vLLM's output
-            raise InvariantError(f"auxout vLLM integration expected inline rows for {rid!r}, got {type(rows).__name__}")
+        if isinstance(rows, RouteManifest):  # keys-only: delivered in the final output's kv_transfer_params
+            self.manifests[rid] = rows.to_dict()
+            return None
         params = request.sampling_params
         if params is not None and params.stop:
             return rows
@@ -98,14 +121,23 @@ class AuxoutScheduler(Scheduler):
     def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(vllm_config, *args, **kwargs)
         self.auxout_options: VllmOptions = options_from_vllm_config(vllm_config)
-        self.auxout = SchedulerBridge(SchedulerConnector(default_return=self.auxout_options.default_return))
+        opts = self.auxout_options
+        publisher = make_publisher(opts, self._auxout_hash_block_size(vllm_config))
+        self.auxout = SchedulerBridge(
+            SchedulerConnector(default_return=opts.default_return, publisher=publisher, default_output=opts.output)
+        )
         self.aux_output_connector = self.auxout  # type: ignore[assignment]  # vLLM calls it at every hook
+
+    def _auxout_hash_block_size(self, vllm_config: Any) -> int:
+        from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+        return int(resolve_kv_cache_block_sizes(self.kv_cache_config, vllm_config)[1])
 
     def add_request(self, request: Request) -> None:
         try:
-            start, wanted = request_route_options(request)
+            start, wanted, output = request_route_options(request)
             self.auxout.connector.add_request(
-                request.request_id, request.num_prompt_tokens, prompt_start=start, return_routes=wanted
+                request.request_id, request.num_prompt_tokens, prompt_start=start, return_routes=wanted, output=output
             )
         except RequestValidationError as exc:
             # The frontends validate first; whatever slips through fails this request, not the engine.
@@ -118,7 +150,20 @@ class AuxoutScheduler(Scheduler):
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if self.auxout.failed:
             self._fail_requests(outputs)
+        if self.auxout.manifests:
+            self._attach_manifests(outputs)
         return outputs
+
+    def _attach_manifests(self, outputs: dict[int, Any]) -> None:
+        """Keys-only output: the manifest rides in the final output's ``kv_transfer_params``."""
+        for engine_outputs in outputs.values():
+            for out in engine_outputs.outputs:
+                manifest = self.auxout.manifests.pop(out.request_id, None)
+                if manifest is not None:
+                    out.kv_transfer_params = {**(out.kv_transfer_params or {}), MANIFEST_FIELD: manifest}
+        for rid in list(self.auxout.manifests):
+            if rid not in self.requests:
+                del self.auxout.manifests[rid]
 
     def _fail_requests(self, outputs: dict[int, Any]) -> None:
         """Finish requests whose routes failed, with ``finish_reason=error`` on their output."""
