@@ -52,6 +52,7 @@ class KeysPublisher:
         self._rows: dict[str, list[np.ndarray]] = {}
         self._start: dict[str, int] = {}
         self._like: dict[str, np.ndarray] = {}  # an empty row array per request: shape and dtype
+        self._first: dict[str, int] = {}  # the manifest's first position (the request's prompt_start)
 
     @property
     def store(self) -> BlockStore:
@@ -67,6 +68,11 @@ class KeysPublisher:
         if self._store is None and self._factory is not None:
             row_nbytes = rows.dtype.itemsize * int(np.prod(rows.shape[1:]))
             self._store = self._factory(self.block_size * row_nbytes)
+
+    def expect(self, request_id: str, prompt_start: int) -> None:
+        """A keys-mode request was admitted: its manifest starts at ``prompt_start``; the connector
+        sends this publisher rows from the start of that position's block."""
+        self._first[request_id] = prompt_start
 
     def add(self, request_id: str, token_start: int, rows: np.ndarray) -> None:
         """Accept one step's clipped rows (positions ``token_start ...``)."""
@@ -84,6 +90,7 @@ class KeysPublisher:
         """Manifest of rows ``[first accepted position, token_end)``; publishes what is missing first."""
         chunks = self._rows.pop(request_id, [])
         start = self._start.pop(request_id, token_end)
+        first = min(max(self._first.pop(request_id, start), start), token_end)
         like = self._like.pop(request_id, None)
         if chunks:
             held = np.concatenate(chunks)
@@ -103,8 +110,8 @@ class KeysPublisher:
         keys = self.keyspace.keys(list(block_hashes[:n_full]), generation)
         if len(keys) < n_full:
             raise PublicationError(f"request {request_id!r} has {len(keys)} block hashes; {n_full} full blocks")
-        first = start // bs  # blocks the manifest names
-        self._ensure_readable(keys[first:], held, start)
+        first_block = first // bs  # blocks the manifest names
+        self._ensure_readable(keys[first_block:], held, start, first_block)
         full_end = n_full * bs
         if start > full_end:  # publish_manifest indexes the tail from full_end; those rows are skipped
             held = np.concatenate([np.zeros((start - full_end, *held.shape[1:]), held.dtype), held])
@@ -117,7 +124,7 @@ class KeysPublisher:
             address=self.address,
             block_keys=keys,
             tail_rows=tail,
-            token_start=start,
+            token_start=first,
             token_end=token_end,
             block_size=bs,
             namespace=self.keyspace.namespace,
@@ -127,8 +134,9 @@ class KeysPublisher:
         self._rows.pop(request_id, None)
         self._start.pop(request_id, None)
         self._like.pop(request_id, None)
+        self._first.pop(request_id, None)
 
-    def _ensure_readable(self, keys: list[str], held: np.ndarray, start: int) -> None:
+    def _ensure_readable(self, keys: list[str], held: np.ndarray, start: int, first_block: int) -> None:
         """Wait for the worker's publications; publish blocks it cannot have yet from held rows.
 
         The worker learns a decode block's hash one step late, so the last blocks of a finished
@@ -138,7 +146,6 @@ class KeysPublisher:
         if not keys:
             return
         bs = self.block_size
-        first_block = start // bs
         present = self.store.contains(keys)
         missing = [i for i, ok in enumerate(present) if not ok]
         ours = [i for i in missing if (first_block + i) * bs >= start]  # fully inside held rows

@@ -90,10 +90,15 @@ class SchedulerConnector:
             raise RequestValidationError("routed_experts_output", output, f"must be one of {list(OUTPUT_MODES)}")
         if mode == "keys" and self.publisher is None:
             raise RequestValidationError("routed_experts_output", output, "this engine has no shared route store")
-        self._options[request_id] = (start, ret)
         if mode == "keys" and ret:
+            assert self.publisher is not None
+            # hold whole blocks from the one containing prompt_start: a block whose hash arrives
+            # with the last token can then be published from held rows, never waited for
+            self.publisher.expect(request_id, start)
+            self._options[request_id] = (start - start % self.publisher.block_size, ret)
             self._keys_mode.add(request_id)
         else:
+            self._options[request_id] = (start, ret)
             self._keys_mode.discard(request_id)
 
     def returns_routes(self, request_id: str) -> bool:

@@ -9,7 +9,7 @@ request's routes must equal a full pass of ``FakeMoE`` over its tokens, bit for 
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from auxout.manifest import fetch
@@ -124,6 +124,20 @@ def run_scenario(sc: dict) -> int:
     return checked
 
 
+# Found by `make fuzz`: a keys-only request whose first full block is completed by an accepted
+# draft in its last step (the block's hash arrives with the finishing token) and whose
+# prompt_start lies inside that block; its manifest must not wait on the engine loop.
+REGRESSION_KEYS_LAST_BLOCK = {
+    "cfg": {
+        "block_size": 16, "max_num_batched_tokens": 8, "max_num_seqs": 1, "async_scheduling": False,
+        "num_speculative_tokens": 1, "draft_acceptance": 0.5, "seed": 1, "num_kv_blocks": 3,
+    },
+    "model": "small", "turns": 1, "convs": 1, "max_tokens": 13, "shared_prefix": 2, "reset_between": False,
+    "data_seed": 2729, "aborts": 0, "salted": False, "keys_share": 0.5,
+}  # fmt: skip
+
+
 @given(scenarios())
+@example(REGRESSION_KEYS_LAST_BLOCK)
 def test_routes_match_full_forward_under_any_schedule(sc: dict) -> None:
     assert run_scenario(sc) > 0
