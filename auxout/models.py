@@ -22,7 +22,7 @@ HEAD_DIM = 32
 VOCAB = 1024
 MAX_POSITIONS = 2048
 COMPLETE_MARKER = ".auxout-complete"
-FORMAT_VERSION = 2  # bump when a config changes: cached checkpoints of older versions are rebuilt
+FORMAT_VERSION = 3  # bump when a config changes: cached checkpoints of older versions are rebuilt
 
 
 def _common(layers: int) -> dict[str, Any]:
@@ -98,6 +98,7 @@ def _deepseek_v3() -> dict[str, Any]:
         "q_lora_rank": None,
         "qk_nope_head_dim": 16,
         "qk_rope_head_dim": 16,
+        "head_dim": 16,  # transformers' rotary embedding uses head_dim: it must equal qk_rope_head_dim
         "v_head_dim": 32,
         "rope_scaling": None,
         "topk_method": "noaux_tc",  # vLLM loads e_score_correction_bias only with this
