@@ -143,6 +143,7 @@ def test_opt_out_over_http(server, oracle):
         ({"routed_experts_prompt_start": "abc"}, "routed_experts_prompt_start"),
         ({"routed_experts_prompt_start": 1.5}, "routed_experts_prompt_start"),
         ({"vllm_xargs": {"return_routed_experts": "no"}}, "return_routed_experts"),
+        ({"vllm_xargs": {"routed_experts_output": "bogus"}}, "routed_experts_output"),
     ],
 )
 def test_bad_route_options_get_4xx_and_server_keeps_serving(server, oracle, extra, needle):

@@ -10,19 +10,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from auxout.integrations.vllm.options import REQUEST_FLAG, normalize_flag
+from auxout.integrations.vllm.options import OUTPUT_FLAG, REQUEST_FLAG, normalize_flag
 
 _INSTALLED = False
 
 
 def check_request_flag(params: Any) -> None:
-    """Raise vLLM's validation error (HTTP 400) if the opt-in/out flag is not a bool."""
+    """Raise vLLM's validation error (HTTP 400) for a non-bool opt-in/out flag or an unknown output mode."""
     from vllm.exceptions import VLLMValidationError
 
     extra = getattr(params, "extra_args", None) or {}
     if REQUEST_FLAG in extra and not isinstance(normalize_flag(extra[REQUEST_FLAG]), bool):
         raise VLLMValidationError(
             f"{REQUEST_FLAG} must be a boolean", parameter=REQUEST_FLAG, value=extra[REQUEST_FLAG]
+        )
+    if OUTPUT_FLAG in extra and extra[OUTPUT_FLAG] not in ("inline", "keys"):
+        raise VLLMValidationError(
+            f"{OUTPUT_FLAG} must be 'inline' or 'keys'", parameter=OUTPUT_FLAG, value=extra[OUTPUT_FLAG]
         )
 
 
