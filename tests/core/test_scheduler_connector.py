@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 import pytest
+from fake_requests import Req, h
 
 from auxout.errors import InvariantError, RequestValidationError, RoutesUnavailableError
 from auxout.metadata import NO_EMIT, StepOutput
@@ -15,18 +14,6 @@ from auxout.testing import FakeMoE
 
 PROF = RouteProfile(num_layers=3, top_k=2, num_experts=16)
 MODEL = FakeMoE(num_layers=3, top_k=2, num_experts=16, vocab_size=100, seed=7)
-
-
-def h(i: int) -> bytes:
-    return i.to_bytes(8, "big")
-
-
-@dataclass
-class Req:
-    request_id: str
-    num_tokens: int
-    num_output_tokens: int = 0
-    block_hashes: list[bytes] = field(default_factory=list)
 
 
 def reqs(*rs: Req) -> dict[str, Req]:

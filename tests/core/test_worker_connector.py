@@ -7,10 +7,10 @@ draft differs from the oracle; every emitted chunk is compared with the oracle b
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
+from fake_requests import Req, h
 
 from auxout.errors import InvariantError, ObjectMissingError, PoolExhaustedError, RoutesUnavailableError
 from auxout.keys import KeySpace, PackedHashes
@@ -27,18 +27,6 @@ OBJ = PROF.block_nbytes(BS)
 MODEL = FakeMoE(num_layers=3, top_k=2, num_experts=16, vocab_size=100, seed=11)
 KS = KeySpace()
 assert MODEL.profile == PROF
-
-
-@dataclass
-class Req:
-    request_id: str
-    num_tokens: int
-    num_output_tokens: int = 0
-    block_hashes: list[bytes] = field(default_factory=list)
-
-
-def h(i: int) -> bytes:
-    return i.to_bytes(8, "big")
 
 
 def key(i: int, generation: int = 0) -> str:
