@@ -277,15 +277,13 @@ class WorkerConnector:
             self._finished[s] = True
             if self._inflight[s] == 0:
                 done.append(s)
-        objects, pool_slots = self._collect_staged(keyed)
+        objects, pool_slots = self._collect_staged(keyed)  # copied out: teardown may free their slots
         if done:
-            release.extend(self._release_order(done))
+            release.extend(self._teardown(done))
         if objects or retain or release:
             self._put(objects, retain, release)
         if pool_slots:
             self.pool.free(pool_slots)
-        if done:
-            self._teardown(done)
 
     def _put(self, objects: list[tuple[str, memoryview]], retain: Sequence[str], release: Sequence[str]) -> None:
         """Publish; a batch the store cannot fit or reach is dropped whole (its keys then read as missing)."""
@@ -293,12 +291,6 @@ class WorkerConnector:
             self.store.put(objects, retain=retain, release=release)
         except (StoreCapacityError, StoreUnavailableError):
             self.dropped_batches += 1
-
-    def _release_order(self, slots: Sequence[int]) -> list[str]:
-        out: list[str] = []
-        for s in slots:
-            out.extend(reversed(self._keys[s][: self._pinned[s]]))
-        return out
 
     def _sync_pins(self, s: int, retain: list[str], release: list[str]) -> None:
         """Hold references on exactly the keys a slot may still read.
@@ -408,9 +400,7 @@ class WorkerConnector:
             self._inflight[slots] -= 1
             done = [int(s) for s in slots[(self._inflight[slots] == 0) & self._finished[slots]]]
             if done:
-                release = self._release_order(done)
-                self._put([], (), release)
-                self._teardown(done)
+                self._put([], (), self._teardown(done))
 
     # -- the heart of the data plane ----------------------------------------------------------
     def _commit(self, p: PendingStep, sampled: np.ndarray, rejected: np.ndarray) -> StepOutput:
