@@ -49,6 +49,11 @@ class ArenaStore:
     def referenced_keys(self) -> dict[str, int]:
         return dict(self._index.refs)
 
+    @property
+    def stored_keys(self) -> list[str]:
+        """Keys with data, least recently used first."""
+        return [k for k, slot in self._lru.items() if slot >= 0]
+
     # -- protocol -------------------------------------------------------------------------
     def put(
         self, objects: Sequence[StoreObject], *, retain: Iterable[str] = (), release: Iterable[str] = ()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from auxout.stores import ArenaStore
 from auxout.testing import FakeMoE, SimEngine, oracle_routes
 
 MODEL = FakeMoE(num_layers=2, top_k=2, num_experts=8, vocab_size=100, seed=3)
@@ -12,15 +13,23 @@ MODEL = FakeMoE(num_layers=2, top_k=2, num_experts=8, vocab_size=100, seed=3)
 def test_prefix_hit_on_evicted_routes_fails_closed() -> None:
     bs = 4
     # store holds 3 objects; the KV cache holds 64 blocks, so KV keeps prefixes the store dropped
-    eng = SimEngine(MODEL, block_size=bs, num_kv_blocks=64, store_bytes=3 * MODEL.profile.block_nbytes(bs))
+    arena = ArenaStore(3 * MODEL.profile.block_nbytes(bs), MODEL.profile.block_nbytes(bs))
+    eng = SimEngine(MODEL, block_size=bs, num_kv_blocks=64, store=arena)
     rng = np.random.default_rng(0)
     first = rng.integers(0, 100, 12).tolist()  # 3 blocks: fits the store while it runs
     eng.add_request("first", first, 1)
     r1 = eng.run()["first"]
     assert r1.error is None and np.array_equal(r1.routed_experts, oracle_routes(MODEL, r1))
+    eng.store.flush()
+    first_keys = arena.stored_keys
+    assert len(first_keys) == 3
     for i in range(4):  # churn: other prefixes push "first"'s objects out of the 3-object store
         eng.add_request(f"other{i}", rng.integers(0, 100, 8).tolist(), 1)
         eng.run()
+    # Reads wait only for their own queued keys, so without this the hit could race ahead of the
+    # churn on the writer thread and (correctly) read routes that were about to be evicted.
+    eng.store.flush()
+    assert not any(eng.store.contains(first_keys)), "the churn must have evicted every block of the prefix"
     eng.add_request("hit", first + [7, 8], 2)
     res = eng.run()["hit"]
     assert res.num_cached_tokens >= 8, "the KV cache must still hold the prefix"
