@@ -1,8 +1,9 @@
 """Data-plane benchmark: auxout's connector pair vs. vLLM 0.32's in-tree aux-output connectors.
 
-Drives the scheduler connector, the worker connector and an ``ArenaStore`` wrapped in a
-``BackgroundStore`` exactly as an engine would (see ``auxout/testing/sim_engine.py``), with no
-model: every request's routed-expert rows are random ``uint8`` arrays generated up front.
+Drives the scheduler connector, the worker connector and the store the vLLM integration
+builds by default (an ``ArenaStore`` behind a ``BackgroundStore`` writer thread; ``--sync-store``
+adds a run without the thread) exactly as an engine would, with no model: every request's
+routed-expert rows are random ``uint8`` arrays generated up front.
 The same precomputed schedule and the same rows are replayed through vLLM's
 ``vllm.distributed.aux_output_connector`` (built without a GPU, as its tests do).
 
@@ -43,7 +44,7 @@ from auxout.keys import KeySpace
 from auxout.metadata import StepOutput
 from auxout.profile import RouteProfile
 from auxout.scheduler_connector import SchedulerConnector
-from auxout.stores import ArenaStore, BackgroundStore
+from auxout.stores import ArenaStore, BackgroundStore, BlockStore
 from auxout.worker_connector import WorkerConnector
 
 PROFILE = RouteProfile(48, 8, 128)
@@ -305,7 +306,10 @@ class Driver(Protocol):
 
 
 class AuxoutDriver:
+    """auxout with the store the vLLM integration builds (``make_store("arena")``: writer thread)."""
+
     name = "auxout"
+    background = True
 
     def __init__(self) -> None:
         nbytes = PROFILE.block_nbytes(BLOCK)
@@ -313,7 +317,7 @@ class AuxoutDriver:
         arena = inner._arena  # steady state: fault the arena in (untimed), as a warm engine has
         if arena is not None:
             arena.fill(0)
-        self.store = BackgroundStore(inner, max_pending=2 * MAX_SEQS)
+        self.store: BlockStore = BackgroundStore(inner, max_pending=2 * MAX_SEQS) if self.background else inner
         self.sched = SchedulerConnector()
         self.worker = WorkerConnector(
             PROFILE, block_size=BLOCK, store=self.store, max_num_seqs=MAX_SEQS,
@@ -333,24 +337,32 @@ class AuxoutDriver:
         take = self.sched.take_output
         for r in emitters:
             chunk = take(out, r, finished=r.finished)
-            if r.chunks is not None and chunk is not None:
+            if r.chunks is not None and isinstance(chunk, np.ndarray):
                 r.chunks.append(chunk)
         for r in finished:
             self.sched.request_finished(r)
 
     def drain(self, live: dict[str, Req]) -> None:
         self.worker.begin_step(self.sched.build_metadata((), live))
-        self.store.flush()
+        self.flush()
 
     def flush(self) -> None:
-        self.store.flush()
+        if isinstance(self.store, BackgroundStore):
+            self.store.flush()
 
     def close(self) -> None:
         self.worker.close()
 
     def check(self) -> str | None:
-        drops = self.worker.dropped_batches + self.store.dropped_batches
+        drops = self.worker.dropped_batches + getattr(self.store, "dropped_batches", 0)
         return f"{drops} store batches dropped" if drops else None
+
+
+class AuxoutSyncDriver(AuxoutDriver):
+    """auxout with a bare ``ArenaStore``: publication on the step's own thread (``--sync-store``)."""
+
+    name = "auxout-sync"
+    background = False
 
 
 class VllmDriver:
@@ -536,7 +548,7 @@ def report(wl: Workload, res: dict[str, Measured]) -> list[tuple[str, bool]]:
         t = m.median
         spread = f"[{min(m.times) * 1e3:.1f}..{max(m.times) * 1e3:.1f} ms over {len(m.times)}]"
         print(
-            f"  {name:<7} {t / n * 1e6:10.1f} us/step {t / tokens * 1e9:9.1f} ns/token "
+            f"  {name:<13} {t / n * 1e6:10.1f} us/step {t / tokens * 1e9:9.1f} ns/token "
             f"{handled / t / 1e6:10.1f} MB/s   total {t * 1e3:8.1f} ms {spread}"
         )
         status = "OK" if not m.mismatches else f"MISMATCH ({len(m.mismatches)}): {m.mismatches[:3]}"
@@ -546,6 +558,9 @@ def report(wl: Workload, res: dict[str, Measured]) -> list[tuple[str, bool]]:
     if v is not None:
         ratio = a.median / v.median
         print(f"  ratio auxout/vLLM cost {ratio:.3f}   speed-up vLLM/auxout {1 / ratio:.2f}x")
+        sync = res.get("auxout-sync")
+        if sync is not None:
+            print(f"  ratio auxout-sync/vLLM cost {sync.median / v.median:.3f}")
     if wl.name == "decode":
         if v is None:
             print("  target decode cost <= 1/4 of vLLM: n/a (no vLLM)")
@@ -588,6 +603,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=None, help="repeats per workload (median reported)")
     ap.add_argument("--no-vllm", action="store_true", help="skip the vLLM baseline")
     ap.add_argument("--only", choices=("decode", "prefill", "multi-turn"), action="append")
+    ap.add_argument("--sync-store", action="store_true", help="also run auxout without the writer thread")
     args = ap.parse_args(argv)
     repeats = args.repeats or (2 if args.quick else 5)
     t_all = time.perf_counter()
@@ -599,6 +615,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     mods = None if args.no_vllm else load_vllm()
     drivers: list[tuple[str, Callable[[], Driver]]] = [("auxout", AuxoutDriver)]
+    if args.sync_store:
+        drivers.append(("auxout-sync", AuxoutSyncDriver))
     if mods is not None:
         drivers.append(("vLLM", lambda: VllmDriver(mods)))
 
