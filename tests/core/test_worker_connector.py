@@ -840,3 +840,22 @@ def test_rejected_metadata_creates_no_state_for_other_requests() -> None:
     out = run(w, meta({"b": 0, "a": 0}, {"b": [1]}), [("b", 0, t[:4]), ("a", 0, t[:2])], [1, 1])
     assert_emits(out, "b", 0, t[:4])
     assert_emits(out, "a", 0, t[:2])
+
+
+def test_output_buffers_are_reused_only_without_live_views() -> None:
+    from auxout.worker_connector import _BufferRecycler
+
+    prof = RouteProfile(3, 2, 40)  # a shape no other test uses: its pool starts empty here
+    a_pool, b_pool = _BufferRecycler(prof), _BufferRecycler(prof)
+    held = a_pool.take(1500)
+    capacity = len(held.base) if held.base is not None else 0  # (no `.base` inside asserts: pytest keeps those)
+    assert capacity == 2048, "sizes round up to a power of two"
+    held[:] = 7
+    other = b_pool.take(1000)  # the pool is shared per process and shape, and `held` is alive
+    assert not np.shares_memory(held, other)
+    other[:] = 9
+    assert (held == 7).all(), "a buffer with a live view was handed out again"
+    base_id = id(held.base)  # not a reference: holding the base would keep it busy
+    del held, other
+    again = b_pool.take(2000)
+    assert id(again.base) == base_id, "a buffer without live views is reused (warm pages, no faults)"
