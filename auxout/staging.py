@@ -35,6 +35,7 @@ class StagingPool:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.blocks = np.zeros((num_blocks, block_size, *profile.shape_per_token), dtype=profile.dtype)
+        self.blocks.fill(0)  # fault the pages in now, not on the first steps that stage rows
         # the same memory as [num_blocks * block_size, token_nbytes]: row-wise copies in one call
         self.token_rows = self.blocks.reshape(num_blocks * block_size, -1)
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out slot 0 first

@@ -44,7 +44,7 @@ from auxout.keys import KeySpace
 from auxout.metadata import StepOutput
 from auxout.profile import RouteProfile
 from auxout.scheduler_connector import SchedulerConnector
-from auxout.stores import ArenaStore, BackgroundStore, BlockStore
+from auxout.stores import ArenaStore, BackgroundStore, make_store
 from auxout.worker_connector import WorkerConnector
 
 PROFILE = RouteProfile(48, 8, 128)
@@ -306,18 +306,20 @@ class Driver(Protocol):
 
 
 class AuxoutDriver:
-    """auxout with the store the vLLM integration builds (``make_store("arena")``: writer thread)."""
+    """auxout with the store the vLLM integration builds (``make_store("arena")``: writer thread,
+    small batches applied in place while it is idle)."""
 
     name = "auxout"
     background = True
 
     def __init__(self) -> None:
         nbytes = PROFILE.block_nbytes(BLOCK)
-        inner = ArenaStore(STORE_OBJECTS * nbytes, nbytes)
+        self.store = make_store("arena", max_bytes=STORE_OBJECTS * nbytes, object_nbytes=nbytes, background=self.background)
+        inner = self.store.inner if isinstance(self.store, BackgroundStore) else self.store
+        assert isinstance(inner, ArenaStore)
         arena = inner._arena  # steady state: fault the arena in (untimed), as a warm engine has
         if arena is not None:
             arena.fill(0)
-        self.store: BlockStore = BackgroundStore(inner, max_pending=2 * MAX_SEQS) if self.background else inner
         self.sched = SchedulerConnector()
         self.worker = WorkerConnector(
             PROFILE, block_size=BLOCK, store=self.store, max_num_seqs=MAX_SEQS,

@@ -39,6 +39,10 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'auxout.stores' has no attribute {name!r}")
 
 
+INLINE_BELOW_BYTES = 512 * 1024
+"""Batches below this size go straight into an in-memory store when its writer thread is idle."""
+
+
 def make_store(name: str, *, max_bytes: int, object_nbytes: int, background: bool = True, **kw: Any) -> BlockStore:
     """Build a store by backend name: ``arena`` (in-process, default), ``shm``, ``redis``, ``mooncake``."""
     inner: BlockStore
@@ -66,4 +70,8 @@ def make_store(name: str, *, max_bytes: int, object_nbytes: int, background: boo
         raise ValueError(f"unknown route store backend {name!r}; known: 'arena', 'shm', 'redis', 'mooncake'")
     if kw:
         raise TypeError(f"unexpected options for store {name!r}: {sorted(kw)}")
-    return BackgroundStore(inner, max_pending=64) if background else inner
+    if not background:
+        return inner
+    # in-memory stores: small batches on an idle writer are cheaper applied in place (see BackgroundStore)
+    inline = INLINE_BELOW_BYTES if name in ("arena", "shm") else 0
+    return BackgroundStore(inner, max_pending=64, inline_below=inline)

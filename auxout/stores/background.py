@@ -8,6 +8,11 @@ exceptions: ``StoreCapacityError`` (the inner store rejected that batch whole an
 consistent) and ``StoreUnavailableError`` (a remote server is down or slow: transient). Such a
 batch is counted in ``dropped_batches``; later reads of its keys fail closed, while everything
 else keeps working and writes resume when the server is back.
+
+``inline_below`` (bytes, default 0 = never): a smaller batch arriving while the writer is idle
+is applied on the caller's thread. For an in-memory store that is cheaper than the hand-off: a
+decode step's few blocks cost less to copy than to wake a thread and then wait for the GIL it
+holds; large batches (prefill) still overlap with the engine. Never use it for network stores.
 """
 
 from __future__ import annotations
@@ -31,9 +36,13 @@ _Item = tuple[Sequence[StoreObject], tuple[str, ...], tuple[str, ...]]
 class BackgroundStore:
     """Wraps any ``BlockStore``; payloads handed to ``put`` must not be mutated afterwards."""
 
-    def __init__(self, inner: BlockStore, max_pending: int = 32) -> None:
+    def __init__(self, inner: BlockStore, max_pending: int = 32, *, inline_below: int = 0) -> None:
         if max_pending <= 0:
             raise ValueError(f"BackgroundStore max_pending must be positive, got {max_pending!r}")
+        if inline_below < 0:
+            raise ValueError(f"BackgroundStore inline_below must be >= 0 bytes, got {inline_below!r}")
+        self.inline_below = inline_below
+        self._inline_lock = threading.Lock()
         self.inner = inner
         self.object_nbytes = inner.object_nbytes
         self._queue: queue.Queue[_Item | None] = queue.Queue(maxsize=max_pending)
@@ -58,6 +67,14 @@ class BackgroundStore:
         if self._closed:
             raise StoreClosedError("BackgroundStore")
         self._raise_if_failed()
+        if self.inline_below and self._queue.unfinished_tasks == 0:
+            with self._inline_lock:
+                # unfinished_tasks == 0 under the lock: the writer is idle, so nothing queued
+                # earlier can be overtaken (the inner store serializes against other producers)
+                if self._queue.unfinished_tasks == 0 and len(objects) * self.object_nbytes < self.inline_below:
+                    self._apply(objects, retain_t, release_t)
+                    self._raise_if_failed()
+                    return
         if objects:
             with self._queued_lock:
                 q = self._queued
@@ -122,8 +139,7 @@ class BackgroundStore:
                     return
                 objects, retain, release = item
                 try:
-                    if self._error is None:
-                        self.inner.put(objects, retain=retain, release=release)
+                    self._apply(objects, retain, release)
                 finally:
                     if objects:
                         with self._queued_lock:
@@ -134,10 +150,17 @@ class BackgroundStore:
                                     q[key] = n
                                 else:
                                     del q[key]
-            except (StoreCapacityError, StoreUnavailableError) as exc:
-                self.dropped_batches += 1
-                self.last_drop = exc
-            except BaseException as exc:  # noqa: BLE001 - recorded and re-raised on the caller's side
-                self._error = exc
             finally:
                 self._queue.task_done()
+
+    def _apply(self, objects: Sequence[StoreObject], retain: tuple[str, ...], release: tuple[str, ...]) -> None:
+        """One batch into the inner store; failures are counted or made sticky, never raised here."""
+        if self._error is not None:
+            return
+        try:
+            self.inner.put(objects, retain=retain, release=release)
+        except (StoreCapacityError, StoreUnavailableError) as exc:
+            self.dropped_batches += 1
+            self.last_drop = exc
+        except BaseException as exc:  # noqa: BLE001 - recorded and re-raised on the caller's side
+            self._error = exc

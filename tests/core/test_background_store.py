@@ -199,3 +199,50 @@ def test_constructor_validation_and_factory() -> None:
     bg.put([("k", payload(7))])
     assert bg.get_concatenated(["k"]) == payload(7)
     bg.close()
+
+
+def test_small_batch_on_an_idle_writer_is_applied_in_place() -> None:
+    inner = GatedStore()
+    bg = BackgroundStore(inner, max_pending=4, inline_below=3 * N)
+    bg.put([("a", payload(1)), ("b", payload(2))])  # 2 objects < 3 x N bytes, writer idle
+    assert inner.puts == [["a", "b"]], "applied before put returned, without flush"
+    assert inner.writer_threads == {threading.current_thread().name}
+    bg.put([("c", payload(3)), ("d", payload(4)), ("e", payload(5))])  # not below the limit: queued
+    bg.flush()
+    assert "auxout-store-writer" in inner.writer_threads
+    assert bg.get_concatenated(["a", "e"]) == payload(1) + payload(5)
+    bg.close()
+
+
+def test_small_batch_never_overtakes_queued_work() -> None:
+    inner = GatedStore(gate=True)
+    bg = BackgroundStore(inner, max_pending=4, inline_below=2 * N)
+    bg.put([("a", payload(1)), ("z", payload(0))], retain=["a"])  # too big to inline: the writer blocks on it
+    assert inner.entered.wait(WAIT)
+    bg.put([("b", payload(2))], release=["a"])  # small, but the writer is busy: queue behind, never run here
+    assert inner.writer_threads == {"auxout-store-writer"}
+    inner.gate.set()
+    bg.flush()
+    assert inner.puts == [["a", "z"], ["b"]]
+    assert inner.inner.references("a") == 0, "the release was applied after the retain"
+    bg.close()
+
+
+def test_inline_batch_failures_behave_like_writer_failures() -> None:
+    bg = BackgroundStore(ArenaStore(2 * N, N), max_pending=4, inline_below=100 * N)
+    bg.put([("a", payload(1)), ("b", payload(2)), ("c", payload(3))], retain=["a", "b", "c"])  # cannot fit
+    assert bg.dropped_batches == 1 and isinstance(bg.last_drop, StoreCapacityError)
+    with pytest.raises(ObjectMissingError):
+        bg.get_concatenated(["a"])
+    bg.put([("d", payload(4))])  # the store keeps working
+    assert bg.get_concatenated(["d"]) == payload(4)
+    bg.close()
+    broken = BackgroundStore(GatedStore(fail_on=1), max_pending=4, inline_below=100 * N)
+    with pytest.raises(PublicationError, match="disk on fire"):
+        broken.put([("x", payload(9))])
+    with pytest.raises(PublicationError):  # sticky, as for a failure on the writer thread
+        broken.put([("y", payload(9))])
+    with pytest.raises(ValueError, match="inline_below"):
+        BackgroundStore(ArenaStore(N, N), inline_below=-1)
+    with pytest.raises(PublicationError):
+        broken.close()
