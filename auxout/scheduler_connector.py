@@ -179,7 +179,8 @@ class SchedulerConnector:
             err = output.errors.get(rid)
             if err is not None:
                 raise RoutesUnavailableError(rid, err)
-        span = output.span(rid)
+        spans = output._spans  # called once per request per step: skip the method calls
+        span = (output.span_map() if spans is None else spans).get(rid)
         if span is None:
             raise InvariantError(f"worker output is missing request {rid!r}")
         token_start, lo, hi = span
@@ -196,7 +197,8 @@ class SchedulerConnector:
                 f"worker output has an invalid token range for request {rid!r}: accepted end "
                 f"{request.num_tokens - 1}, rows cover [{token_start}, {token_start + hi - lo})"
             )
-        rows = output.slice(lo, lo + local_end)
+        nrows = len(output.rows)
+        rows = output.rows[lo : lo + local_end] if hi <= nrows else output.slice(lo, lo + local_end)
         if self._keys_mode and rid in self._keys_mode:
             assert self.publisher is not None
             self.publisher.add(rid, token_start, rows)

@@ -171,6 +171,7 @@ class SimEngine:
         seed: int = 0,
         store: BlockStore | None = None,
         output: str = "inline",
+        inline_below: int = 0,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -184,7 +185,7 @@ class SimEngine:
         profile = model.profile
         object_nbytes = profile.block_nbytes(block_size)
         inner = store if store is not None else ArenaStore(store_bytes or num_kv_blocks * object_nbytes, object_nbytes)
-        self.store = BackgroundStore(inner, max_pending=2 * max_num_seqs)
+        self.store = BackgroundStore(inner, max_pending=2 * max_num_seqs, inline_below=inline_below)
         keyspace = KeySpace("sim")
         publisher = KeysPublisher(
             self.store, profile=profile, keyspace=keyspace, block_size=block_size, address=store_address(inner)

@@ -51,6 +51,7 @@ def scenarios(draw: st.DrawFn) -> dict:
         num_speculative_tokens=draw(st.sampled_from([0, 0, 1, 3])),
         draft_acceptance=draw(st.sampled_from([0.0, 0.5, 0.9, 1.0])),
         seed=draw(st.integers(0, 2**16)),
+        inline_below=draw(st.sampled_from([0, 0, 1 << 20])),  # publication on the writer or in place
     )
     model = draw(st.sampled_from(sorted(MODELS)))
     turns = draw(st.integers(1, 3))
