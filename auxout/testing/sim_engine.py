@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from auxout.errors import RoutesUnavailableError
+from auxout.held_rows import HeldRows
 from auxout.keys import KeySpace
 from auxout.keys_output import KeysPublisher, store_address
 from auxout.manifest import RouteManifest
@@ -62,7 +63,6 @@ class _Request:
     block_hashes: list[bytes] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
     num_cached_tokens: int = -1
-    chunks: list[np.ndarray] = field(default_factory=list)
     manifest: RouteManifest | None = None
     incarnation: int = 0
     error: str | None = None
@@ -186,6 +186,7 @@ class SimEngine:
         object_nbytes = profile.block_nbytes(block_size)
         inner = store if store is not None else ArenaStore(store_bytes or num_kv_blocks * object_nbytes, object_nbytes)
         self.store = BackgroundStore(inner, max_pending=2 * max_num_seqs, inline_below=inline_below)
+        self.held = HeldRows(compact_every=3)  # small: every long request exercises compaction
         keyspace = KeySpace("sim")
         publisher = KeysPublisher(
             self.store, profile=profile, keyspace=keyspace, block_size=block_size, address=store_address(inner)
@@ -425,7 +426,7 @@ class SimEngine:
             if isinstance(chunk, RouteManifest):
                 req.manifest = chunk
             elif chunk is not None:
-                req.chunks.append(chunk)
+                self.held.add(req.rid, chunk)
             if fin:
                 self._finish(req, "length")
 
@@ -437,11 +438,11 @@ class SimEngine:
         if req in self.waiting:
             self.waiting.remove(req)
         del self.requests[req.rid]
-        routes = None
-        if req.want_routes and req.error is None and req.manifest is None:
-            routes = (
-                np.concatenate(req.chunks) if req.chunks else self.model.profile.empty(0)
-            )
+        routes = self.held.pop(req.rid)
+        if not (req.want_routes and req.error is None and req.manifest is None):
+            routes = None
+        elif routes is None:
+            routes = self.model.profile.empty(0)
         self._done[req.rid] = SimResult(
             req.rid,
             req.tokens(),

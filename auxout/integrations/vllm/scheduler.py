@@ -20,6 +20,7 @@ from vllm.v1.engine import FinishReason
 from vllm.v1.request import Request, RequestStatus
 
 from auxout.errors import BlockStoreError, RequestValidationError
+from auxout.held_rows import HeldRows
 from auxout.integrations.vllm.options import (
     MANIFEST_FIELD,
     OUTPUT_FLAG,
@@ -73,7 +74,7 @@ class SchedulerBridge:
     def __init__(self, connector: SchedulerConnector) -> None:
         self.connector = connector
         self.failed: dict[str, str] = {}
-        self.held: dict[str, list[np.ndarray]] = {}
+        self.held = HeldRows()
         self.manifests: dict[str, dict[str, Any]] = {}
 
     def build_connector_meta(self, scheduler_output: Any, requests: Mapping[str, Request]) -> Any:
@@ -83,7 +84,7 @@ class SchedulerBridge:
         # vLLM calls this before freeing KV blocks, on preemption (status still RUNNING) and on finish.
         preempted = not request.is_finished()
         if not preempted:
-            self.held.pop(request.request_id, None)  # finished without a final output (abort)
+            self.held.discard(request.request_id)  # finished without a final output (abort)
         self.connector.request_finished(request, preempted=preempted)
 
     def take_output(self, request: Request, output: Any) -> np.ndarray | None:
@@ -94,7 +95,7 @@ class SchedulerBridge:
         except BlockStoreError as exc:
             logger.error("auxout: routes of request %s are unavailable: %s", rid, exc)
             self.failed[rid] = str(exc)
-            self.held.pop(rid, None)
+            self.held.discard(rid)
             return None
         if rows is None:
             return None
@@ -104,12 +105,8 @@ class SchedulerBridge:
         params = request.sampling_params
         if params is not None and params.stop:
             return rows
-        held = self.held.setdefault(rid, [])
-        held.append(rows)
-        if not finished:
-            return None
-        del self.held[rid]
-        return held[0] if len(held) == 1 else np.concatenate(held)
+        self.held.add(rid, rows)
+        return self.held.pop(rid) if finished else None
 
     def reset(self) -> None:
         self.connector.reset()
