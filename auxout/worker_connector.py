@@ -421,6 +421,10 @@ class WorkerConnector:
         qs, qe = p.query_start_loc[:-1], p.query_start_loc[1:]
         n_exec = qe - qs
         self._check_rows(p, n_exec, rejected)
+        if not rejected.any():
+            out = self._commit_decode(p, sampled)
+            if out is not None:
+                return out
         kept = n_exec - rejected
 
         cur = self._capture[slots]
@@ -486,10 +490,7 @@ class WorkerConnector:
         self._tail[slots] = tail
 
         # -- publish complete keyed blocks (whole batch, before any read) ----------------------
-        retain: list[str] = []
-        release: list[str] = []
-        for i in np.flatnonzero(np.minimum(self._nkeys[slots], end // bs) != self._pinned[slots]).tolist():
-            self._sync_pins(int(slots[i]), retain, release)
+        retain, release = self._pins_after_capture(slots, end)
         objects: list[tuple[str, memoryview]] = []
         pool_keys: list[str] = []
         pool_pub: list[int] = []
@@ -523,12 +524,7 @@ class WorkerConnector:
             self.pool.blocks[dst] = rows[src[:, None] + np.arange(bs, dtype=_I64)]
             for (s, b, _), d in zip(stage_views, dst.tolist()):
                 self._staged[s][b] = d
-        if pool_pub:
-            objects.extend(self._objects_from_pool(pool_keys, pool_pub))
-        if objects or retain or release:
-            self._put(objects, retain, release)
-        if pool_pub:
-            self.pool.free(pool_pub)
+        self._publish(objects, pool_keys, pool_pub, retain, release)
 
         # -- emit from each request's own cursor -------------------------------------------------
         emit = self._emit[slots]
@@ -560,6 +556,83 @@ class WorkerConnector:
                 hi[i] = len(rows) + offset + size
                 offset += size
         return StepOutput(list(p.req_ids), emit.copy(), lo, hi, rows, errors, extra)
+
+    def _commit_decode(self, p: PendingStep, sampled: np.ndarray) -> StepOutput | None:
+        """``_commit`` for the common decode step, in a third of the numpy calls; None if not one.
+
+        Applies when every request executed exactly one token at its capture cursor with no
+        draft rejected and nothing to read back from the store: each row extends (or opens)
+        its request's staged tail block, and a tail that fills up is published or staged.
+        """
+        bs = self.block_size
+        slots, rows, ts = p.slots, p.rows, p.token_starts
+        n = len(slots)
+        q0 = int(p.query_start_loc[0])
+        if bs == 1 or n == 0 or int(p.query_start_loc[n]) - q0 != n:  # (n_exec >= 1 each: all are 1)
+            return None
+        if not np.array_equal(self._capture[slots], ts):  # first capture, or re-attaching a draft gap
+            return None
+        emit = self._emit[slots]
+        if ((sampled > 0) & (emit < ts)).any():  # rows before this step must come from the store
+            return None
+        end = ts + 1
+        pos = ts % bs
+        old_tail = self._tail[slots]
+        opening = pos == 0
+        if (~opening & (old_tail < 0)).any():
+            raise InvariantError("open tail block lost its staging slot")
+        tail = old_tail.copy()
+        tail[opening] = self.pool.alloc(int(np.count_nonzero(opening)))
+        self.pool.token_rows[tail * bs + pos] = rows.reshape(len(rows), -1)[q0 : q0 + n]
+        done = pos == bs - 1
+        self._tail[slots] = np.where(done, -1, tail)
+        self._capture[slots] = end
+        self._sched[slots] = end
+
+        retain, release = self._pins_after_capture(slots, end)
+        pool_keys: list[str] = []
+        pool_pub: list[int] = []
+        for i in np.flatnonzero(done).tolist():
+            s, b = int(slots[i]), int(ts[i]) // bs
+            keys = self._keys[s]
+            if b < len(keys):
+                pool_keys.append(keys[b])
+                pool_pub.append(int(tail[i]))
+            else:
+                self._staged[s][b] = int(tail[i])  # its hash arrives with a later step
+        self._publish([], pool_keys, pool_pub, retain, release)
+
+        do_emit = (sampled > 0) & (emit <= end)
+        qs = p.query_start_loc[:n]
+        lo = np.where(do_emit, qs + (emit - ts), -1)
+        hi = np.where(do_emit, qs + 1, -1)
+        self._emit[slots[do_emit]] = end[do_emit]
+        return StepOutput(list(p.req_ids), emit.copy(), lo, hi, rows, {}, self.profile.empty(0))
+
+    def _pins_after_capture(self, slots: np.ndarray, end: np.ndarray) -> tuple[list[str], list[str]]:
+        """Retain/release lists for slots whose readable keyed blocks changed with this capture."""
+        retain: list[str] = []
+        release: list[str] = []
+        changed = np.minimum(self._nkeys[slots], end // self.block_size) != self._pinned[slots]
+        for i in np.flatnonzero(changed).tolist():
+            self._sync_pins(int(slots[i]), retain, release)
+        return retain, release
+
+    def _publish(
+        self,
+        objects: list[tuple[str, memoryview]],
+        pool_keys: list[str],
+        pool_pub: list[int],
+        retain: list[str],
+        release: list[str],
+    ) -> None:
+        """One store batch: ``objects`` plus completed pool blocks (copied out, then freed)."""
+        if pool_pub:
+            objects.extend(self._objects_from_pool(pool_keys, pool_pub))
+        if objects or retain or release:
+            self._put(objects, retain, release)
+        if pool_pub:
+            self.pool.free(pool_pub)
 
     def _check_rows(self, p: PendingStep, n_exec: np.ndarray, rejected: np.ndarray) -> None:
         if not ((n_exec <= 0) | (rejected < 0) | (rejected > n_exec)).any():
