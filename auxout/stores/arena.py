@@ -19,6 +19,11 @@ from auxout.stores.base import StoreObject
 from auxout.stores.policy import EvictionPolicy
 from auxout.stores.slots import SlotIndex
 
+# Batches of fewer objects are copied payload by payload: a joined temporary of ~100 KB is
+# allocated and freed every decode step, and glibc hands its pages back to the kernel each time
+# (measured 60 us for 16 objects vs 25 us copying each one; docs/performance.md).
+_JOIN_MIN = 64
+
 
 class ArenaStore:
     """Bounded LRU object store in one numpy arena; objects never move once written."""
@@ -66,9 +71,9 @@ class ArenaStore:
             idx = np.asarray(slots, dtype=np.int64)
             sizes = [v.nbytes for v in payloads]
             self._lengths[idx] = sizes
-            if min(sizes) == self.object_nbytes:  # one gather of the payloads, one scatter
+            if len(slots) >= _JOIN_MIN and min(sizes) == self.object_nbytes:  # one gather, one scatter
                 arena[idx] = np.frombuffer(b"".join(payloads), dtype=np.uint8).reshape(len(slots), -1)
-            else:
+            else:  # a few objects: straight into their slots (the joined temporary cost more, see below)
                 for slot, v in zip(slots, payloads):
                     arena[slot, : v.nbytes] = np.frombuffer(v, dtype=np.uint8)
 
