@@ -179,8 +179,7 @@ class SchedulerConnector:
             err = output.errors.get(rid)
             if err is not None:
                 raise RoutesUnavailableError(rid, err)
-        spans = output._spans  # called once per request per step: skip the method calls
-        span = (output.span_map() if spans is None else spans).get(rid)
+        span = output.span_map().get(rid)
         if span is None:
             raise InvariantError(f"worker output is missing request {rid!r}")
         token_start, lo, hi = span

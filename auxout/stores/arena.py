@@ -73,7 +73,7 @@ class ArenaStore:
             self._lengths[idx] = sizes
             if len(slots) >= _JOIN_MIN and min(sizes) == self.object_nbytes:  # one gather, one scatter
                 arena[idx] = np.frombuffer(b"".join(payloads), dtype=np.uint8).reshape(len(slots), -1)
-            else:  # a few objects: straight into their slots (the joined temporary cost more, see below)
+            else:  # a few objects: straight into their slots (see _JOIN_MIN)
                 for slot, v in zip(slots, payloads):
                     arena[slot, : v.nbytes] = np.frombuffer(v, dtype=np.uint8)
 

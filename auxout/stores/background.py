@@ -67,11 +67,11 @@ class BackgroundStore:
         if self._closed:
             raise StoreClosedError("BackgroundStore")
         self._raise_if_failed()
-        if self.inline_below and self._queue.unfinished_tasks == 0:
+        if len(objects) * self.object_nbytes < self.inline_below and self._queue.unfinished_tasks == 0:
             with self._inline_lock:
                 # unfinished_tasks == 0 under the lock: the writer is idle, so nothing queued
                 # earlier can be overtaken (the inner store serializes against other producers)
-                if self._queue.unfinished_tasks == 0 and len(objects) * self.object_nbytes < self.inline_below:
+                if self._queue.unfinished_tasks == 0:
                     self._apply(objects, retain_t, release_t)
                     self._raise_if_failed()
                     return
