@@ -94,3 +94,20 @@ class RoutesUnavailableError(BlockStoreError):
 
     def __reduce__(self) -> tuple[type, tuple[str, str]]:
         return (type(self), (self.request_id, self.reason))
+
+
+class ManifestUnavailableError(BlockStoreError):
+    """A keys-only request's manifest could not be published (store full or down).
+
+    Carries the request's exact rows, so the engine returns them inline instead: the client
+    gets its routes either way, and ``reason`` says why they came inline.
+    """
+
+    def __init__(self, request_id: str, reason: str, rows: object) -> None:
+        self.request_id = request_id
+        self.reason = reason
+        self.rows = rows
+        super().__init__(f"keys-only output for request {request_id!r} fell back to inline rows: {reason}")
+
+    def __reduce__(self) -> tuple[type, tuple[str, str, object]]:
+        return (type(self), (self.request_id, self.reason, self.rows))

@@ -1,13 +1,17 @@
 """Store keys derived from the engine's chained KV block hashes.
 
-A block hash identifies the whole prefix ending at that block (it is chained), so identical
-prefixes share keys. Hashes do not encode model weights, so every key also carries the
-prefix-cache *generation*: after a reset (an RL weight update) old routes can never be served.
-The namespace separates engine instances and data-parallel ranks sharing one external store.
+A block hash identifies the whole prefix ending at that block (it is chained: tokens, cache
+salt and whatever else the engine hashes), so identical prefixes share keys, in every process
+whose engine derives hashes from the same seed. Hashes do not encode the model, so the
+namespace ends in a *route fingerprint* (model, route profile, hash block size, hash algorithm):
+two models or route shapes never share a key. Every key also carries the prefix-cache
+*generation*: after a reset (an RL weight update) old routes can never be served.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -64,3 +68,28 @@ class KeySpace:
     def for_instance(cls, instance: str, dp_rank: int = 0) -> KeySpace:
         """Namespace for one engine instance and data-parallel rank (never mixed in a shared store)."""
         return cls(f"{instance}/dp{dp_rank}")
+
+
+def route_fingerprint(
+    model: str, *, num_layers: int, top_k: int, num_experts: int, dtype: str, block_size: int, hash_algo: str
+) -> str:
+    """Short stable digest of what makes route objects interchangeable across instances.
+
+    Same model name/path, route shape, hash block size and hash algorithm give the same
+    fingerprint in every process and after restarts; anything else gives another one.
+    """
+    ident = {
+        "model": model,
+        "layers": num_layers,
+        "top_k": top_k,
+        "experts": num_experts,
+        "dtype": dtype,
+        "block": block_size,
+        "hash": hash_algo,
+    }
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def model_keyspace(namespace: str, fingerprint: str) -> KeySpace:
+    """``<namespace>/m<fingerprint>``: the keyspace an engine publishes and reads under."""
+    return KeySpace(f"{namespace}/m{fingerprint}")

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from auxout.errors import PublicationError
+from auxout.errors import BlockStoreError, ManifestUnavailableError, PublicationError
 from auxout.keys import KeySpace
 from auxout.manifest import RouteManifest, publish_manifest
 from auxout.profile import RouteProfile
@@ -111,24 +111,33 @@ class KeysPublisher:
         if len(keys) < n_full:
             raise PublicationError(f"request {request_id!r} has {len(keys)} block hashes; {n_full} full blocks")
         first_block = first // bs  # blocks the manifest names
-        self._ensure_readable(keys[first_block:], held, start, first_block)
-        full_end = n_full * bs
-        if start > full_end:  # publish_manifest indexes the tail from full_end; those rows are skipped
-            held = np.concatenate([np.zeros((start - full_end, *held.shape[1:]), held.dtype), held])
-            start_in_held = full_end
-        else:
-            start_in_held = start
-        tail = held[full_end - start_in_held :]
-        return publish_manifest(
-            self.store,
-            address=self.address,
-            block_keys=keys,
-            tail_rows=tail,
-            token_start=first,
-            token_end=token_end,
-            block_size=bs,
-            namespace=self.keyspace.namespace,
-        )
+        try:
+            self._ensure_readable(keys[first_block:], held, start, first_block)
+            full_end = n_full * bs
+            if start > full_end:  # publish_manifest indexes the tail from full_end; those rows are skipped
+                padded = np.concatenate([np.zeros((start - full_end, *held.shape[1:]), held.dtype), held])
+                start_in_held = full_end
+            else:
+                padded, start_in_held = held, start
+            tail = padded[full_end - start_in_held :]
+            manifest = publish_manifest(
+                self.store,
+                address=self.address,
+                block_keys=keys,
+                tail_rows=tail,
+                token_start=first,
+                token_end=token_end,
+                block_size=bs,
+                namespace=self.keyspace.namespace,
+            )
+            if manifest.keys and not all(self.store.contains(list(manifest.keys))):
+                raise PublicationError("the store evicted part of the manifest while publishing it (full?)")
+            return manifest
+        except BlockStoreError as exc:
+            if first < start:  # rows before the held ones exist only in the store: nothing to fall back to
+                raise
+            reason = f"{type(exc).__name__}: {exc}"
+            raise ManifestUnavailableError(request_id, reason, held[first - start :]) from exc
 
     def discard(self, request_id: str) -> None:
         self._rows.pop(request_id, None)
@@ -156,8 +165,11 @@ class KeysPublisher:
                 block = np.ascontiguousarray(held[lo : lo + bs])
                 objs.append((keys[i], memoryview(block.reshape(-1).view(np.uint8).data)))  # type: ignore[arg-type]
             self.store.put(objs)
+            ours_keys = [keys[i] for i in ours]
+            if not all(self.store.contains(ours_keys)):  # applied (reads see earlier writes) yet absent
+                raise PublicationError(f"the store could not keep {len(ours_keys)} route object(s) (full?)")
         deadline = time.monotonic() + self.readable_timeout
-        pending = [keys[i] for i in missing]
+        pending = [keys[i] for i in missing if i not in set(ours)]
         delay = 0.001
         while pending:
             ok = self.store.contains(pending)

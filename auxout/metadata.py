@@ -18,13 +18,16 @@ class StepMetadata:
 
     ``requests`` maps every scheduled request to its emit start; ``block_hashes`` carries only
     hashes the worker has not seen (also for tracked requests not scheduled this step);
-    ``finished`` lists terminal events (finish, abort, preemption), each delivered once.
+    ``finished`` lists terminal events (finish, abort, preemption, restart for a recompute),
+    each delivered once, with ``final_hashes`` found after the request's last schedule. Terminal
+    events apply first: a request may end one incarnation and start the next in the same step.
     """
 
     generation: int
     requests: dict[str, int]
     block_hashes: dict[str, PackedHashes] = field(default_factory=dict)
     finished: tuple[str, ...] = ()
+    final_hashes: dict[str, PackedHashes] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -35,7 +38,9 @@ class StepOutput:
     (``rows`` is the step's snapshot, never copied; ``extra`` holds rows assembled from before
     the step, e.g. a cached prefix) for positions starting at ``token_starts[i]``; ``lo[i] == -1``
     means it emitted nothing this step. ``errors`` holds a message for requests whose routes
-    could not be assembled (e.g. evicted prefix objects).
+    could not be assembled (e.g. evicted prefix objects): the engine recomputes them.
+    ``published``/``lost`` report the store keys written and lost (evicted, dropped, found
+    missing) since the previous output, for the scheduler's ``RouteIndex``.
     """
 
     req_ids: list[str]
@@ -45,6 +50,8 @@ class StepOutput:
     rows: np.ndarray
     errors: dict[str, str] = field(default_factory=dict)
     extra: np.ndarray | None = None
+    published: list[str] = field(default_factory=list)
+    lost: list[str] = field(default_factory=list)
     _spans: dict[str, tuple[int, int, int]] | None = None
 
     def span_map(self) -> dict[str, tuple[int, int, int]]:
@@ -76,8 +83,14 @@ class StepOutput:
         return self.extra[lo - n : hi - n]
 
     def __getstate__(self) -> tuple:
-        return (self.req_ids, self.token_starts, self.lo, self.hi, self.rows, self.errors, self.extra)
+        return (
+            self.req_ids, self.token_starts, self.lo, self.hi, self.rows, self.errors, self.extra,
+            self.published, self.lost,
+        )  # fmt: skip
 
     def __setstate__(self, state: tuple) -> None:
-        self.req_ids, self.token_starts, self.lo, self.hi, self.rows, self.errors, self.extra = state
+        (
+            self.req_ids, self.token_starts, self.lo, self.hi, self.rows, self.errors, self.extra,
+            self.published, self.lost,
+        ) = state  # fmt: skip
         self._spans = None

@@ -6,6 +6,13 @@ has not seen (also for tracked requests that were not scheduled), and each termi
 accepted, ``[token_start, num_tokens - 1)``: the last sampled token is never fed through the
 model, so it has no route. ``reset()`` bumps the generation after a prefix-cache reset so
 routes computed with old weights can never be served.
+
+A KV hit never fails for missing routes: engines clip each prefix hit with
+``readable_prefix`` (a ``RouteIndex`` mirrors what the worker reports as published and lost), and
+a request whose prefix rows still could not be read is named by ``begin_output``; the engine
+drops that step's samples for it and restarts it (preemption semantics), and the clipped hit
+recomputes the missing blocks. ``RoutesUnavailableError`` remains a guard for a request that
+keeps failing (``MAX_RECOMPUTES``), which normal operation never reaches.
 """
 
 from __future__ import annotations
@@ -15,13 +22,22 @@ from typing import Protocol
 
 import numpy as np
 
-from auxout.errors import BlockStoreError, InvariantError, RequestValidationError, RoutesUnavailableError
-from auxout.keys import PackedHashes
+from auxout.errors import (
+    BlockStoreError,
+    InvariantError,
+    ManifestUnavailableError,
+    RequestValidationError,
+    RoutesUnavailableError,
+)
+from auxout.keys import KeySpace, PackedHashes
 from auxout.keys_output import KeysPublisher
 from auxout.manifest import RouteManifest
 from auxout.metadata import NO_EMIT, StepMetadata, StepOutput
+from auxout.route_index import ContainsFn, RouteIndex
 
 OUTPUT_MODES = ("inline", "keys")
+MAX_RECOMPUTES = 8
+"""Restarts of one request for unreadable prefix routes before it fails (a guard, not a policy)."""
 
 
 class SchedRequest(Protocol):
@@ -54,8 +70,18 @@ class SchedulerConnector:
     """Payload-free control plane of one engine."""
 
     def __init__(
-        self, *, default_return: bool = True, publisher: KeysPublisher | None = None, default_output: str = "inline"
+        self,
+        *,
+        default_return: bool = True,
+        publisher: KeysPublisher | None = None,
+        default_output: str = "inline",
+        keyspace: KeySpace | None = None,
+        block_size: int | None = None,
+        remote_contains: ContainsFn | None = None,
+        index_capacity: int = 1 << 16,
     ) -> None:
+        """``keyspace``/``block_size`` must match the worker's; ``remote_contains`` asks a store
+        other instances publish to (None for an in-process store)."""
         if default_output not in OUTPUT_MODES:
             raise ValueError(f"default_output must be one of {OUTPUT_MODES}, got {default_output!r}")
         if default_output == "keys" and publisher is None:
@@ -68,6 +94,15 @@ class SchedulerConnector:
         self._finished: dict[str, PackedHashes | None] = {}  # terminal events not yet delivered
         self._options: dict[str, tuple[int, bool]] = {}  # prompt_start, return_routes
         self._keys_mode: set[str] = set()
+        self._delivered: dict[str, int] = {}  # first position whose rows were not returned yet
+        self._recomputes: dict[str, int] = {}
+        self.keyspace = keyspace or KeySpace()
+        self.block_size = block_size if block_size is not None else (publisher.block_size if publisher else 0)
+        self.remote_contains = remote_contains
+        self.index = RouteIndex(index_capacity)
+        self.recomputed_tokens = 0  # prefix-hit tokens recomputed because their routes were unreadable
+        self.recomputed_requests = 0
+        self.inline_fallbacks: dict[str, str] = {}  # keys-mode requests answered inline, and why (engines pop)
 
     def add_request(
         self,
@@ -108,6 +143,7 @@ class SchedulerConnector:
         """Metadata for one step; call after scheduling, with every live request in ``requests``."""
         sent = self._sent
         options = self._options
+        delivered = self._delivered
         default = (0, self.default_return)
         emit: dict[str, int] = {}
         hashes: dict[str, PackedHashes] = {}
@@ -124,6 +160,8 @@ class SchedulerConnector:
             start, ret = options.get(rid, default)
             if not ret:
                 emit[rid] = NO_EMIT
+            elif rid in delivered:  # rows go out as captured: resume where the last one went
+                emit[rid] = max(start, delivered[rid])
             else:
                 emit[rid] = start if req.num_output_tokens == 0 else max(start, req.num_tokens - 1)
         if len(sent) != len(emit):  # hash-only updates for tracked requests not scheduled this step
@@ -135,17 +173,17 @@ class SchedulerConnector:
                     hashes[rid] = PackedHashes.pack(bh[n:])
                     sent[rid] = len(bh)
         finished = tuple(self._finished)
-        for rid, pack in self._finished.items():
-            if pack is not None:
-                hashes[rid] = pack
+        final = {rid: pack for rid, pack in self._finished.items() if pack is not None}
         self._finished = {}
-        return StepMetadata(self.generation, emit, hashes, finished)
+        return StepMetadata(self.generation, emit, hashes, finished, final)
 
     def request_finished(self, request: SchedRequest, *, preempted: bool = False) -> None:
         """Terminal event on preemption, finish or abort; call before the KV blocks are freed."""
         rid = request.request_id
         if not preempted:
             self._options.pop(rid, None)
+            self._delivered.pop(rid, None)
+            self._recomputes.pop(rid, None)
             if rid in self._keys_mode:
                 self._keys_mode.discard(rid)
                 assert self.publisher is not None
@@ -192,12 +230,15 @@ class SchedulerConnector:
                 )
             return None
         if local_end > hi - lo:
-            raise InvariantError(
-                f"worker output has an invalid token range for request {rid!r}: accepted end "
-                f"{request.num_tokens - 1}, rows cover [{token_start}, {token_start + hi - lo})"
-            )
+            if finished:
+                raise InvariantError(
+                    f"worker output has an invalid token range for request {rid!r}: accepted end "
+                    f"{request.num_tokens - 1}, rows cover [{token_start}, {token_start + hi - lo})"
+                )
+            local_end = hi - lo  # rows returned as captured (a prefill chunk that sampled nothing)
         nrows = len(output.rows)
         rows = output.rows[lo : lo + local_end] if hi <= nrows else output.slice(lo, lo + local_end)
+        self._delivered[rid] = token_start + local_end
         if self._keys_mode and rid in self._keys_mode:
             assert self.publisher is not None
             self.publisher.add(rid, token_start, rows)
@@ -208,6 +249,9 @@ class SchedulerConnector:
                 return self.publisher.finish(
                     rid, block_hashes=request.block_hashes, generation=self.generation, token_end=request.num_tokens - 1
                 )
+            except ManifestUnavailableError as exc:  # store full or down: the exact rows go inline
+                self.inline_fallbacks[rid] = exc.reason
+                return exc.rows  # type: ignore[no-any-return]
             except BlockStoreError as exc:  # the shared store is down or lost objects: this request fails
                 raise RoutesUnavailableError(rid, f"{type(exc).__name__}: {exc}") from exc
         return rows
@@ -230,6 +274,7 @@ class SchedulerConnector:
             return [self._take_or_error(output, r, f) for r, f in zip(requests, fin)]
         spans = output.span_map()
         get_span, get_opt = spans.get, self._options.get
+        delivered = self._delivered
         rows, extra = output.rows, output.extra
         nrows = len(rows)
         res: list[np.ndarray | RouteManifest | RoutesUnavailableError | None] = []
@@ -249,6 +294,7 @@ class SchedulerConnector:
             else:
                 assert extra is not None
                 append(extra[lo - nrows : lo - nrows + e])
+            delivered[rid] = t + e
         return res
 
     def _take_or_error(
@@ -264,7 +310,62 @@ class SchedulerConnector:
         self.generation += 1
         self._sent.clear()
         self._finished.clear()
+        self._delivered.clear()
+        self.index.clear()
 
     def forget(self, request_id: str) -> None:
         """Drop a request that was rejected before it was ever scheduled."""
         self._options.pop(request_id, None)
+        self._delivered.pop(request_id, None)
+
+    # -- prefix hits without routes: clip, then recompute ------------------------------------
+    def readable_prefix(self, request: SchedRequest, num_hit_tokens: int, num_local_tokens: int | None = None) -> int:
+        """The part of a prefix hit whose routes the worker can read (hash-block aligned).
+
+        ``num_hit_tokens`` is what the KV cache (and a KV connector) would skip, the first
+        ``num_local_tokens`` of it local (default: all). Only blocks from the one holding the
+        request's emit start are needed; an opted-out request needs none. Engines clip their
+        hit to the returned length; the tokens cut off are recomputed (and counted).
+        """
+        bs = self.block_size
+        if num_hit_tokens <= 0 or bs <= 0:
+            return max(num_hit_tokens, 0)
+        rid = request.request_id
+        start, ret = self._options.get(rid, (0, self.default_return))
+        if not ret:
+            return num_hit_tokens
+        first = max(start, self._delivered.get(rid, 0)) // bs
+        hit_blocks = num_hit_tokens // bs
+        if first >= hit_blocks:
+            return num_hit_tokens
+        local = hit_blocks if num_local_tokens is None else num_local_tokens // bs
+        keys = self.keyspace.keys(request.block_hashes[first:hit_blocks], self.generation)
+        ready = first + self.index.readable_blocks(keys, local - first, self.remote_contains)
+        if ready >= hit_blocks:
+            return num_hit_tokens
+        clipped = ready * bs
+        self.recomputed_tokens += num_hit_tokens - clipped
+        return clipped
+
+    def begin_output(self, output: StepOutput | None) -> list[str]:
+        """Ingest a step output's store reports; returns requests the engine must recompute.
+
+        For each returned id the engine discards the step's sampled tokens and restarts the
+        request (``request_finished(req, preempted=True)``, KV freed, rescheduled): its prefix
+        rows could not be read, and the lost keys now clip its next hit. A request that failed
+        ``MAX_RECOMPUTES`` times is not returned; ``take_output`` then raises for it.
+        """
+        if output is None:
+            return []
+        if output.published or output.lost:
+            self.index.apply(output.published, output.lost)
+        if not output.errors:
+            return []
+        redo: list[str] = []
+        for rid in output.errors:
+            n = self._recomputes.get(rid, 0)
+            if n < MAX_RECOMPUTES and self.returns_routes(rid):
+                self._recomputes[rid] = n + 1
+                self.recomputed_requests += 1
+                redo.append(rid)
+        return redo

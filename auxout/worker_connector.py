@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from auxout.errors import BlockStoreError, InvariantError, StoreCapacityError, StoreUnavailableError
-from auxout.keys import KeySpace
-from auxout.metadata import StepMetadata, StepOutput
+from auxout.keys import KeySpace, PackedHashes
+from auxout.metadata import NO_EMIT, StepMetadata, StepOutput
 from auxout.profile import RouteProfile
 from auxout.staging import StagingPool, staging_pool_blocks
 from auxout.stores.base import BlockStore, read_into
@@ -152,6 +152,8 @@ class WorkerConnector:
         self._seq = 0
         self._closed = False
         self.dropped_batches = 0  # publications the store rejected for capacity (reads then fail closed)
+        self._published: list[str] = []  # keys put since the last output
+        self._lost: list[str] = []  # keys dropped or found missing since the last output
         self._out_buffers = _BufferRecycler(profile)
 
     # -- per-slot state ---------------------------------------------------------------------
@@ -232,9 +234,6 @@ class WorkerConnector:
         self._step_ready = meta is not None
         if meta is None:
             return
-        both = meta.requests.keys() & set(meta.finished)
-        if both:
-            raise InvariantError(f"request(s) {sorted(both)} cannot run and finish in one step")
         if meta.generation < self.generation:
             raise InvariantError(
                 f"metadata generation moved backwards: {meta.generation} < {self.generation}"
@@ -252,6 +251,24 @@ class WorkerConnector:
             self._tail[:] = -1
             self.generation = meta.generation
         slot_of = self._slot_of
+        retain: list[str] = []
+        keyed: list[int] = []
+        done: list[int] = []
+        # terminal events first: a request may end one incarnation and start the next this step
+        for rid in meta.finished:
+            s = slot_of.pop(rid, None)
+            if s is None:
+                raise InvariantError(f"terminal event for request {rid!r} which the worker does not track")
+            packed = meta.final_hashes.get(rid)
+            if packed is None and rid not in meta.requests:  # older engines: trailing hashes ride along
+                packed = meta.block_hashes.get(rid)
+            if packed is not None:
+                self._add_keys(s, packed, retain, release)
+            if self._staged[s]:
+                keyed.append(s)
+            self._finished[s] = True
+            if self._inflight[s] == 0:
+                done.append(s)
         reqs = meta.requests
         known = np.fromiter((slot_of.get(rid, -1) for rid in reqs), dtype=_I64, count=len(reqs))
         if len(known):
@@ -270,25 +287,15 @@ class WorkerConnector:
                 names = list(reqs)
                 for i in np.flatnonzero(~old).tolist():
                     self._new_slot(names[i], int(starts[i]))
-        retain: list[str] = []
-        keyed: list[int] = []
         for rid, packed in meta.block_hashes.items():
+            if rid not in reqs and rid in meta.finished:
+                continue  # applied with its terminal event above
             s = slot_of.get(rid)
             if s is None:
                 raise InvariantError(f"block hashes for request {rid!r} which the worker does not track")
-            self._keys[s].extend(self.keyspace.keys(packed, self.generation))
-            self._nkeys[s] = len(self._keys[s])
-            self._sync_pins(s, retain, release)
+            self._add_keys(s, packed, retain, release)
             if self._staged[s]:
                 keyed.append(s)
-        done: list[int] = []
-        for rid in meta.finished:
-            s = slot_of.pop(rid, None)
-            if s is None:
-                raise InvariantError(f"terminal event for request {rid!r} which the worker does not track")
-            self._finished[s] = True
-            if self._inflight[s] == 0:
-                done.append(s)
         objects, pool_slots = self._collect_staged(keyed)  # copied out: teardown may free their slots
         if done:
             release.extend(self._teardown(done))
@@ -297,12 +304,30 @@ class WorkerConnector:
         if pool_slots:
             self.pool.free(pool_slots)
 
+    def _add_keys(self, s: int, packed: PackedHashes, retain: list[str], release: list[str]) -> None:
+        self._keys[s].extend(self.keyspace.keys(packed, self.generation))
+        self._nkeys[s] = len(self._keys[s])
+        self._sync_pins(s, retain, release)
+
     def _put(self, objects: list[tuple[str, memoryview]], retain: Sequence[str], release: Sequence[str]) -> None:
         """Publish; a batch the store cannot fit or reach is dropped whole (its keys then read as missing)."""
         try:
             self.store.put(objects, retain=retain, release=release)
         except (StoreCapacityError, StoreUnavailableError):
             self.dropped_batches += 1
+            self._lost.extend(k for k, _ in objects)
+            return
+        if objects:
+            self._published.extend(k for k, _ in objects)
+
+    def _route_events(self) -> tuple[list[str], list[str]]:
+        """Keys published and lost since the last output (for the scheduler's ``RouteIndex``)."""
+        published, self._published = self._published, []
+        lost, self._lost = self._lost, []
+        drain = getattr(self.store, "drain_lost", None)
+        if drain is not None:
+            lost.extend(drain())
+        return published, lost
 
     def _sync_pins(self, s: int, retain: list[str], release: list[str]) -> None:
         """Hold references on exactly the keys a slot may still read.
@@ -528,7 +553,7 @@ class WorkerConnector:
 
         # -- emit from each request's own cursor -------------------------------------------------
         emit = self._emit[slots]
-        do_emit = (sampled > 0) & (emit <= end)
+        do_emit = emit <= end  # rows are emitted as soon as they are captured (not only when sampling)
         lo = np.full(len(slots), -1, dtype=_I64)
         hi = np.full(len(slots), -1, dtype=_I64)
         fast = do_emit & (emit >= cap)
@@ -550,12 +575,18 @@ class WorkerConnector:
                     self._read_into(int(slots[i]), int(emit[i]), int(cap[i]), extra[offset : offset + n_before])
                 except BlockStoreError as exc:
                     errors[p.req_ids[i]] = f"{type(exc).__name__}: {exc}"
+                    missing = getattr(exc, "keys", None)
+                    self._lost.extend(missing if missing else self._keys[int(slots[i])][: int(cap[i]) // bs])
+                    # nothing delivered; the engine restarts this incarnation, whose steps still in
+                    # flight must neither emit nor report the failure again
+                    self._emit[slots[i]] = NO_EMIT
                     continue
                 extra[offset + n_before : offset + size] = rows[int(qs[i]) : int(qs[i] + kept[i])]
                 lo[i] = len(rows) + offset
                 hi[i] = len(rows) + offset + size
                 offset += size
-        return StepOutput(list(p.req_ids), emit.copy(), lo, hi, rows, errors, extra)
+        published, lost = self._route_events()
+        return StepOutput(list(p.req_ids), emit.copy(), lo, hi, rows, errors, extra, published, lost)
 
     def _commit_decode(self, p: PendingStep, sampled: np.ndarray) -> StepOutput | None:
         """``_commit`` for the common decode step, in a third of the numpy calls; None if not one.
@@ -573,7 +604,7 @@ class WorkerConnector:
         if not np.array_equal(self._capture[slots], ts):  # first capture, or re-attaching a draft gap
             return None
         emit = self._emit[slots]
-        if ((sampled > 0) & (emit < ts)).any():  # rows before this step must come from the store
+        if (emit < ts).any():  # rows before this step must come from the store
             return None
         end = ts + 1
         pos = ts % bs
@@ -602,12 +633,13 @@ class WorkerConnector:
                 self._staged[s][b] = int(tail[i])  # its hash arrives with a later step
         self._publish([], pool_keys, pool_pub, retain, release)
 
-        do_emit = (sampled > 0) & (emit <= end)
+        do_emit = emit <= end
         qs = p.query_start_loc[:n]
         lo = np.where(do_emit, qs + (emit - ts), -1)
         hi = np.where(do_emit, qs + 1, -1)
         self._emit[slots[do_emit]] = end[do_emit]
-        return StepOutput(list(p.req_ids), emit.copy(), lo, hi, rows, {}, self.profile.empty(0))
+        published, lost = self._route_events()
+        return StepOutput(list(p.req_ids), emit.copy(), lo, hi, rows, {}, self.profile.empty(0), published, lost)
 
     def _pins_after_capture(self, slots: np.ndarray, end: np.ndarray) -> tuple[list[str], list[str]]:
         """Retain/release lists for slots whose readable keyed blocks changed with this capture."""

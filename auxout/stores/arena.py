@@ -110,6 +110,10 @@ class ArenaStore:
                     dst[pos : pos + n] = arena[s, :n]
                     pos += n
 
+    def drain_lost(self) -> list[str]:
+        """Keys evicted since the last call, for the scheduler's view of readable routes."""
+        return self._index.drain_lost()
+
     def contains(self, keys: Sequence[str]) -> list[bool]:
         with self._lock:
             self._check_open()
@@ -129,5 +133,6 @@ class ArenaStore:
     def _missing_detail(self) -> str:
         return (
             f"the object may have been evicted (used={len(self._lru)}, limit={self.num_slots} objects); "
-            "increase the store's max_bytes when a KV cache hit requires it"
+            "engines recompute a prefix hit whose routes are gone; a keys-only manifest must be fetched "
+            "before later requests evict it (or raise max_bytes)"
         )

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections import deque
 from collections.abc import Iterable, Sequence
 
 from auxout.errors import (
@@ -49,6 +50,7 @@ class BackgroundStore:
         self._error: BaseException | None = None
         self.dropped_batches = 0
         self.last_drop: BlockStoreError | None = None
+        self._lost: deque[str] = deque()  # keys of dropped batches not yet drained
         self._closed = False
         self._close_lock = threading.Lock()
         self._queued: dict[str, int] = {}  # keys with a write still in the queue
@@ -94,6 +96,20 @@ class BackgroundStore:
     def contains(self, keys: Sequence[str]) -> list[bool]:
         self._drain_for(keys)
         return self.inner.contains(keys)
+
+    def drain_lost(self) -> list[str]:
+        """Keys of dropped batches and of the inner store's evictions since the last call."""
+        out: list[str] = []
+        pop = self._lost.popleft
+        try:
+            while True:
+                out.append(pop())
+        except IndexError:
+            pass
+        inner = getattr(self.inner, "drain_lost", None)
+        if inner is not None:
+            out.extend(inner())
+        return out
 
     def flush(self) -> None:
         """Wait until every queued write has been applied; raise a writer failure."""
@@ -162,5 +178,6 @@ class BackgroundStore:
         except (StoreCapacityError, StoreUnavailableError) as exc:
             self.dropped_batches += 1
             self.last_drop = exc
+            self._lost.extend(k for k, _ in objects)
         except BaseException as exc:  # noqa: BLE001 - recorded and re-raised on the caller's side
             self._error = exc

@@ -288,10 +288,15 @@ class SharedMemoryStore:
             slots = self._slots.lookup(
                 keys,
                 f"the object may have been evicted (used={len(self._slots.lru)}, limit={self.num_slots} objects); "
-                "increase the store's max_bytes when a KV cache hit requires it",
+                "engines recompute a prefix hit whose routes are gone; a keys-only manifest must be fetched "
+            "before later requests evict it (or raise max_bytes)",
             )
             idx = np.asarray(slots, dtype=np.int64)
             return _concat(m.data[idx], m.lens[idx], self.object_nbytes)
+
+    def drain_lost(self) -> list[str]:
+        """Keys evicted since the last call, for the scheduler's view of readable routes."""
+        return self._slots.drain_lost()
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
         with self._lock:

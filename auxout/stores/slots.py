@@ -8,7 +8,7 @@ whole: keys it registered are rolled back and ``StoreCapacityError`` is raised.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 
 from auxout.errors import InvariantError, ObjectMissingError, StoreCapacityError
@@ -29,6 +29,7 @@ class SlotIndex:
         self.refs: dict[str, int] = {}
         self.free: list[int] = []
         self.next_slot = 0
+        self.lost: deque[str] = deque()  # evicted keys not yet drained (see ``drain_lost``)
 
     def plan_put(
         self, objects: Sequence[StoreObject], retain: Iterable[str], release: Iterable[str], object_nbytes: int
@@ -82,6 +83,17 @@ class SlotIndex:
     def clear(self) -> None:
         self.lru.clear()
         self.refs.clear()
+        self.lost.clear()
+
+    def drain_lost(self) -> list[str]:
+        """Keys evicted since the last call (thread-safe against the evicting thread)."""
+        out: list[str] = []
+        pop = self.lost.popleft
+        try:
+            while True:
+                out.append(pop())
+        except IndexError:
+            return out
 
     def _take_slot(self) -> int:
         if self.free:
@@ -138,6 +150,7 @@ class SlotIndex:
             )
         freed = [s for s in (lru.pop(k) for k in victims) if s != UNWRITTEN]
         self.free.extend(freed)
+        self.lost.extend(victims)
         if self.policy is not None:
             self.policy.on_remove(victims, "eviction")
         return freed

@@ -4,8 +4,11 @@ It models what makes route return hard: a waiting/running queue with a token bud
 prefill, a paged KV cache with prefix caching by chained block hashes (with ``cache_salt``),
 preemption when KV blocks run out, speculative drafts with seeded random rejection, async
 scheduling with one step in flight (scheduled optimistically on top of drafts), aborts and
-prefix-cache resets. The *runner* knows the true tokens as soon as they are sampled; the
-*scheduler* learns them when it processes the step's output, as in vLLM.
+prefix-cache resets, and KV that comes from outside the engine (``SimKVConnector``: a P/D
+peer, an offload tier, a restarted engine's saved KV). The *runner* knows the true tokens as
+soon as they are sampled; the *scheduler* learns them when it processes the step's output, as
+in vLLM. Prefix hits are clipped to routes the worker can read, and a request whose prefix
+rows still cannot be read is restarted and recomputes them (never a failed request).
 
 Integrators can use it as a reference for where each connector call belongs.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,6 +49,27 @@ class SimResult:
     finish_reason: str
     error: str | None = None
     manifest: RouteManifest | None = None  # keys-only output: fetch(manifest, store) gives the routes
+
+
+class SimKVConnector:
+    """KV saved outside the engine, by block hash (vLLM's ``ExampleConnector`` in miniature).
+
+    Engines sharing one connector see each other's KV: a finished request's computed full
+    blocks are saved, and a later request anywhere loads the longest saved prefix beyond its
+    local hit. Routes do not travel with the KV: they come from the route store or are
+    recomputed.
+    """
+
+    def __init__(self) -> None:
+        self.saved: set[bytes] = set()
+        self.loaded_tokens = 0
+
+    def match(self, hashes: list[bytes], start: int, limit: int) -> int:
+        """Blocks ``start..`` (below ``limit``) saved here, counted from ``start``."""
+        n = start
+        while n < limit and hashes[n] in self.saved:
+            n += 1
+        return n - start
 
 
 @dataclass
@@ -103,6 +128,12 @@ class _KVCache:
                 break
             hit.append(b)
         return hit
+
+    def lookup_len(self, tokens: list[int], salt: str | None = None) -> int:
+        """Tokens of ``tokens`` the KV cache holds as a prefix (for tests and metrics)."""
+        probe = _Request("probe", list(tokens), 1, 0, salt, False)
+        _hash_blocks(probe, self.block_size)
+        return len(self.lookup(probe)) * self.block_size
 
     def allocate(self, req: _Request, hit: list[int], num_tokens_total: int) -> bool:
         need = -(-num_tokens_total // self.block_size) - len(req.blocks) - len(hit)
@@ -172,8 +203,16 @@ class SimEngine:
         store: BlockStore | None = None,
         output: str = "inline",
         inline_below: int = 0,
+        kv_connector: SimKVConnector | None = None,
+        shared_store: bool = False,
+        namespace: str = "sim",
+        on_finish: Callable[[SimResult], None] | None = None,
     ) -> None:
+        """``shared_store``: ``store`` is reachable by other engines too (the scheduler may ask it
+        for routes this engine did not publish)."""
         self.model = model
+        self.kv_connector = kv_connector
+        self.on_finish = on_finish  # called as each request finishes (e.g. fetch its manifest at once)
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -187,11 +226,17 @@ class SimEngine:
         inner = store if store is not None else ArenaStore(store_bytes or num_kv_blocks * object_nbytes, object_nbytes)
         self.store = BackgroundStore(inner, max_pending=2 * max_num_seqs, inline_below=inline_below)
         self.held = HeldRows(compact_every=3)  # small: every long request exercises compaction
-        keyspace = KeySpace("sim")
+        keyspace = KeySpace(namespace)
         publisher = KeysPublisher(
             self.store, profile=profile, keyspace=keyspace, block_size=block_size, address=store_address(inner)
         )
-        self.scheduler = SchedulerConnector(publisher=publisher, default_output=output)
+        self.scheduler = SchedulerConnector(
+            publisher=publisher,
+            default_output=output,
+            keyspace=keyspace,
+            block_size=block_size,
+            remote_contains=self.store.contains if shared_store else None,
+        )
         self.worker = WorkerConnector(
             profile,
             block_size=block_size,
@@ -315,11 +360,13 @@ class SimEngine:
             i += 1
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            hit = self.kv.lookup(req) if req.num_computed == 0 else []
-            start = len(hit) * self.block_size
+            hit, ext = self._prefix_hit(req)
+            start = (len(hit) + ext) * self.block_size
             n = min(req.num_tokens - start, budget)
             if not self.kv.allocate(req, hit, start + n):
                 break
+            if self.kv_connector is not None:
+                self.kv_connector.loaded_tokens += ext * self.block_size
             self.waiting.popleft()
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = start
@@ -333,7 +380,23 @@ class SimEngine:
             budget -= n
         return out
 
+    def _prefix_hit(self, req: _Request) -> tuple[list[int], int]:
+        """Local cached blocks and external (connector) blocks to skip, clipped to readable routes."""
+        if req.num_computed != 0:
+            return [], 0
+        bs = self.block_size
+        hit = self.kv.lookup(req)
+        ext = 0
+        if self.kv_connector is not None:
+            limit = (req.num_tokens - 1) // bs
+            ext = self.kv_connector.match(req.block_hashes, len(hit), min(limit, len(req.block_hashes)))
+        total = (len(hit) + ext) * bs
+        keep = self.scheduler.readable_prefix(req, total, len(hit) * bs) // bs
+        return hit[:keep], max(0, keep - len(hit))
+
     def _preempt(self, req: _Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
         self.scheduler.request_finished(req, preempted=True)
         self.kv.release(req)
         req.num_computed = req.true_computed = 0
@@ -403,19 +466,24 @@ class SimEngine:
         output: StepOutput | None = None
         if pending is not None:
             output = self.worker.process_output(pending, num_sampled, num_rejected)
+        redo = set(self.scheduler.begin_output(output))
+        spans = output.span_map() if output is not None else {}
         emitted: list[_Request] = []
         for s, toks, rej in zip(scheduled, sampled_tokens, num_rejected.tolist()):
             req = s.req
             if req.rid not in self.requests or s.incarnation != req.incarnation:
                 continue  # aborted or preempted while this step was in flight
-            req.num_computed -= rej
-            if not toks:
+            if req.rid in redo:  # its prefix routes were unreadable: drop the samples, recompute
+                self._preempt(req)
                 continue
-            req.inflight -= 1 + s.num_drafts
-            room = req.max_tokens - len(req.output)
-            req.output.extend(toks[:room])
-            self._update_hashes(req)
-            emitted.append(req)
+            req.num_computed -= rej
+            if toks:
+                req.inflight -= 1 + s.num_drafts
+                room = req.max_tokens - len(req.output)
+                req.output.extend(toks[:room])
+                self._update_hashes(req)
+            if toks or req.rid in spans:  # rows are returned as soon as they are captured
+                emitted.append(req)
         finished = [len(r.output) >= r.max_tokens for r in emitted]
         chunks = self.scheduler.take_outputs(output, emitted, finished)
         for req, fin, chunk in zip(emitted, finished, chunks):
@@ -432,6 +500,9 @@ class SimEngine:
 
     def _finish(self, req: _Request, reason: str) -> None:
         self.scheduler.request_finished(req)
+        if self.kv_connector is not None:  # save the computed KV for other engines / later
+            n = min(req.true_computed // self.block_size, len(req.block_hashes))
+            self.kv_connector.saved.update(req.block_hashes[:n])
         self.kv.release(req)
         if req in self.running:
             self.running.remove(req)
@@ -443,7 +514,9 @@ class SimEngine:
             routes = None
         elif routes is None:
             routes = self.model.profile.empty(0)
-        self._done[req.rid] = SimResult(
+        if req.rid in self.scheduler.inline_fallbacks:  # keys-only answered inline (store full)
+            del self.scheduler.inline_fallbacks[req.rid]
+        result = self._done[req.rid] = SimResult(
             req.rid,
             req.tokens(),
             len(req.prompt),
@@ -454,18 +527,24 @@ class SimEngine:
             req.error,
             req.manifest,
         )
+        if self.on_finish is not None:
+            self.on_finish(result)
 
     def _update_hashes(self, req: _Request) -> None:
-        bs = self.block_size
-        toks = req.tokens()
-        hashes = req.block_hashes
-        for i in range(len(hashes), len(toks) // bs):
-            prev = hashes[i - 1] if i else _NONE_HASH
-            h = hashlib.sha256(prev)
-            h.update(np.asarray(toks[i * bs : (i + 1) * bs], dtype=np.int64).tobytes())
-            if i == 0 and req.salt is not None:
-                h.update(req.salt.encode())
-            hashes.append(h.digest())
+        _hash_blocks(req, self.block_size)
+
+
+def _hash_blocks(req: _Request, bs: int) -> None:
+    """Chained block hashes of every full block of the request's known tokens (salt in the first)."""
+    toks = req.tokens()
+    hashes = req.block_hashes
+    for i in range(len(hashes), len(toks) // bs):
+        prev = hashes[i - 1] if i else _NONE_HASH
+        h = hashlib.sha256(prev)
+        h.update(np.asarray(toks[i * bs : (i + 1) * bs], dtype=np.int64).tobytes())
+        if i == 0 and req.salt is not None:
+            h.update(req.salt.encode())
+        hashes.append(h.digest())
 
 
 def oracle_routes(model: FakeMoE, result: SimResult) -> np.ndarray:

@@ -165,7 +165,7 @@ def test_terminal_event_carries_hashes_discovered_after_last_schedule() -> None:
     sc.request_finished(r)
     meta = sc.build_metadata([], {})
     assert meta.finished == ("r",)
-    assert hashes_of(meta, "r") == [h(2), h(3)]
+    assert list(meta.final_hashes["r"]) == [h(2), h(3)] and "r" not in meta.block_hashes
     assert meta.requests == {}
 
 
@@ -249,12 +249,24 @@ def test_missing_output_is_an_invariant_error() -> None:
         sc.take_output(silent, r)
 
 
-def test_rows_shorter_than_accepted_range_are_an_invariant_error() -> None:
+def test_rows_shorter_than_accepted_range_are_an_invariant_error_at_finish() -> None:
     sc = SchedulerConnector()
     r = Req("r", 6, 1)
     with pytest.raises(InvariantError, match="invalid token range for request 'r'") as ei:
-        sc.take_output(output({"r": (0, ROWS[:4])}), r)
+        sc.take_output(output({"r": (0, ROWS[:4])}), r, finished=True)
     assert "accepted end 5" in str(ei.value) and "[0, 4)" in str(ei.value)
+
+
+def test_rows_returned_as_captured_advance_the_emit_start() -> None:
+    """A prefill chunk that sampled nothing returns its rows; a restart resumes after them."""
+    sc = SchedulerConnector()
+    sc.add_request("r", prompt_len=10)
+    r = Req("r", 10, 0)
+    assert sc.build_metadata(["r"], reqs(r)).requests == {"r": 0}
+    got = sc.take_output(output({"r": (0, ROWS[:4])}), r)
+    assert got is not None and np.array_equal(got, ROWS[:4])
+    sc.request_finished(r, preempted=True)  # e.g. a restart to recompute unreadable prefix rows
+    assert sc.build_metadata(["r"], reqs(r)).requests == {"r": 4}
 
 
 def test_finished_request_without_accepted_range_is_an_invariant_error() -> None:

@@ -2,8 +2,11 @@
 
 Each example builds a SimEngine (chunked prefill, prefix caching with salts, preemption under a
 tiny KV cache, speculative decoding, async scheduling) and runs multi-turn conversations that
-extend earlier turns, with aborts and prefix-cache resets between turns. Every finished
-request's routes must equal a full pass of ``FakeMoE`` over its tokens, bit for bit.
+extend earlier turns, with aborts and prefix-cache resets between turns. Stores range from
+roomy to far smaller than the workload, and KV may come from outside the engine: a peer engine
+(P/D prefill) saves its KV to a shared ``SimKVConnector``, with routes in a store both reach or
+only in its own. Every request must finish (no errors: hits without routes are recomputed) and
+its routes must equal a full pass of ``FakeMoE`` over its tokens, bit for bit.
 """
 
 from __future__ import annotations
@@ -13,8 +16,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from auxout.manifest import fetch
-from auxout.stores import BlockStore
-from auxout.testing import FakeMoE, SimEngine, SimResult, oracle_routes
+from auxout.stores import ArenaStore, BlockStore
+from auxout.testing import FakeMoE, SimEngine, SimKVConnector, SimResult, oracle_routes
 
 MODELS = {
     "small": FakeMoE(num_layers=3, top_k=2, num_experts=8, vocab_size=50, seed=1),
@@ -74,17 +77,41 @@ def scenarios(draw: st.DrawFn) -> dict:
         aborts=draw(st.integers(0, 2)),
         salted=draw(st.booleans()),
         keys_share=draw(st.sampled_from([0.0, 0.0, 0.5, 1.0])),
+        store_size=draw(st.sampled_from(["roomy", "default", "tiny", "tiny"])),
+        external=draw(st.sampled_from(["none", "none", "pd_shared", "pd_private", "offload"])),
     )
 
 
 def run_scenario(sc: dict) -> int:
     model = MODELS[sc["model"]]
     cfg = sc["cfg"]
-    # A roomy store: with the default (one object per KV block) the store's LRU can drift from
-    # the KV cache's under a tiny cache, and a hit then fails closed (test_sim_eviction covers
-    # that). Here every request must succeed, so any error is a bug.
-    store_bytes = 8 * cfg["num_kv_blocks"] * model.profile.block_nbytes(cfg["block_size"])
-    eng = SimEngine(model, store_bytes=store_bytes, **cfg)
+    obj = model.profile.block_nbytes(cfg["block_size"])
+    # roomy: 8x the KV cache; default: one object per KV block; tiny: 3 objects in all
+    nobj = {"roomy": 8 * cfg["num_kv_blocks"], "default": cfg["num_kv_blocks"], "tiny": 3}[sc["store_size"]]
+    external = sc.get("external", "none")
+    # keys-only output needs a store that keeps manifests until the trainer fetches them; with a
+    # smaller one the manifest falls back to inline rows (test_keys_manifest_falls_back_inline)
+    keys_share = sc["keys_share"] if sc["store_size"] == "roomy" else 0.0
+    connector = SimKVConnector() if external != "none" else None
+    shared = ArenaStore(nobj * obj, obj) if external == "pd_shared" else None
+    fetched: set[str] = set()
+
+    def fetch_at_finish(res: SimResult) -> None:  # a trainer fetches a manifest when it arrives
+        if res.manifest is not None and res.error is None:
+            assert_oracle(model, res, eng.store)
+            fetched.add(res.request_id)
+
+    eng = SimEngine(
+        model, store=shared, store_bytes=nobj * obj, kv_connector=connector, shared_store=shared is not None,
+        on_finish=fetch_at_finish, **cfg,
+    )  # fmt: skip
+    peer = None
+    if external.startswith("pd"):  # a prefill engine: computes each prompt first, saves its KV
+        peer_cfg = {**cfg, "async_scheduling": False, "num_speculative_tokens": 0}
+        peer = SimEngine(
+            model, store=shared, store_bytes=max(nobj, 64) * obj, kv_connector=connector,
+            shared_store=shared is not None, **peer_cfg,
+        )  # fmt: skip
     rng = np.random.default_rng(sc["data_seed"])
     vocab = model.vocab_size
     shared = rng.integers(0, vocab, sc["shared_prefix"]).tolist()
@@ -96,6 +123,10 @@ def run_scenario(sc: dict) -> int:
             prompt = history.get(c, shared) + new
             start = int(rng.integers(0, len(prompt) + 1))
             salt = f"user{c % 2}" if sc["salted"] else None
+            if peer is not None and rng.random() < 0.7:  # P/D: prefill there, decode here
+                peer.add_request(f"p{turn}c{c}", prompt, 1)
+                for pres in peer.run().values():
+                    assert_oracle(model, pres, peer.store)
             eng.add_request(
                 f"t{turn}c{c}",
                 prompt,
@@ -103,7 +134,7 @@ def run_scenario(sc: dict) -> int:
                 prompt_start=start,
                 cache_salt=salt,
                 return_routed_experts=bool(rng.random() > 0.15),
-                output="keys" if rng.random() < sc["keys_share"] else "inline",
+                output="keys" if rng.random() < keys_share else "inline",
             )
         for i in range(sc["aborts"]):
             for _ in range(int(rng.integers(0, 6))):
@@ -115,13 +146,20 @@ def run_scenario(sc: dict) -> int:
         results.update(eng._done)  # aborted above
         results.update(eng.run())
         for rid, res in results.items():
-            assert_oracle(model, res, eng.store)
+            if rid not in fetched:
+                assert_oracle(model, res, eng.store)
             checked += 1
             if res.finish_reason != "abort":
                 history[int(rid.split("c")[1])] = res.tokens
         if sc["reset_between"]:
             assert eng.reset_prefix_cache()
+            if peer is not None:
+                assert peer.reset_prefix_cache()
+            if connector is not None:
+                connector.saved.clear()  # new weights: saved KV is stale too
     eng.close()
+    if peer is not None:
+        peer.close()
     return checked
 
 
@@ -134,7 +172,7 @@ REGRESSION_KEYS_LAST_BLOCK = {
         "num_speculative_tokens": 1, "draft_acceptance": 0.5, "seed": 1, "num_kv_blocks": 3,
     },
     "model": "small", "turns": 1, "convs": 1, "max_tokens": 13, "shared_prefix": 2, "reset_between": False,
-    "data_seed": 2729, "aborts": 0, "salted": False, "keys_share": 0.5,
+    "data_seed": 2729, "aborts": 0, "salted": False, "keys_share": 0.5, "store_size": "roomy", "external": "none",
 }  # fmt: skip
 
 
@@ -142,3 +180,15 @@ REGRESSION_KEYS_LAST_BLOCK = {
 @example(REGRESSION_KEYS_LAST_BLOCK)
 def test_routes_match_full_forward_under_any_schedule(sc: dict) -> None:
     assert run_scenario(sc) > 0
+
+
+def test_keys_manifest_falls_back_inline_when_the_store_cannot_hold_it() -> None:
+    model = MODELS["small"]
+    obj = model.profile.block_nbytes(4)
+    eng = SimEngine(model, block_size=4, num_kv_blocks=64, store_bytes=2 * obj, output="keys")
+    prompt = list(range(1, 30))
+    eng.add_request("k", prompt, 5)
+    res = eng.run()["k"]
+    assert res.error is None and res.manifest is None, "a 2-object store cannot hold an 8-object manifest"
+    assert np.array_equal(res.routed_experts, oracle_routes(model, res))
+    eng.close()

@@ -140,16 +140,17 @@ def stored(spy: SpyStore, *keys: str) -> bytes:
 # == contract checks (§4) ============================================================================
 
 
-def test_rejects_run_and_finish_in_one_step() -> None:
+def test_finish_and_restart_in_one_step_starts_a_new_incarnation() -> None:
+    """A restart (recompute) ends one incarnation and starts the next in the same step."""
     w, spy = make()
-    w.begin_step(meta({"a": 0}))
-    with pytest.raises(InvariantError, match=r"\['a'\] cannot run and finish in one step"):
-        w.begin_step(meta({"a": 0}, {"a": [1]}, finished=("a",)))
-    assert w.tracked_requests() == ["a"] and spy.puts == []  # nothing applied
     t = oracle(1)
-    out = run(w, meta({"a": 0}, {"a": [1]}), [("a", 0, t[:5])], [1])
-    assert_emits(out, "a", 0, t[:5])
+    out = run(w, meta({"a": 0}, {"a": [1]}), [("a", 0, t[:6])], [0])
+    assert_emits(out, "a", 0, t[:6])
+    m = StepMetadata(0, {"a": 4}, {"a": PackedHashes.pack([h(1)])}, ("a",), {})
+    out = run(w, m, [("a", 4, t[4:7])], [1])  # new incarnation: capture restarts at a block boundary
+    assert_emits(out, "a", 4, t[4:7])
     assert stored(spy, key(1)) == t[:4].tobytes()
+    assert w.tracked_requests() == ["a"]
 
 
 def test_rejects_generation_moving_backwards() -> None:
@@ -324,7 +325,7 @@ def test_rejects_overlapping_capture() -> None:
     ):
         w.process_output(p, [1])
     out = run(w, meta({"a": 4}), [("a", 7, t[7:8])], [1])
-    assert_emits(out, "a", 4, t[4:8])
+    assert_emits(out, "a", 7, t[7:8])  # rows 4..6 went out with their own step
 
 
 def test_rejects_unbacked_capture_gap() -> None:
@@ -457,7 +458,7 @@ def test_terminal_event_publishes_hash_discovered_after_last_schedule() -> None:
     r.num_tokens, r.num_output_tokens, r.block_hashes = 5, 1, [h(1)]
     sc.request_finished(r)
     m = sc.build_metadata([], {})
-    assert m.finished == ("a",) and list(m.block_hashes["a"]) == [h(1)]
+    assert m.finished == ("a",) and list(m.final_hashes["a"]) == [h(1)]
     w.begin_step(m)
     assert stored(spy, key(1)) == t[:4].tobytes()
     assert w.tracked_requests() == [] and spy.references(key(1)) == 0
@@ -552,39 +553,41 @@ def test_emits_mid_block_chunked_prefill() -> None:
     w, _ = make()
     t = oracle(30)
     out = run(w, meta({"a": 0}), [("a", 0, t[:2])], [0])
-    assert out.rows_for("a") is None and int(out.lo[0]) == -1
+    assert_emits(out, "a", 0, t[:2])  # rows go out as soon as they are captured
     out = run(w, meta({"a": 0}), [("a", 2, t[2:3])], [1])
-    assert_emits(out, "a", 0, t[:3])
+    assert_emits(out, "a", 2, t[2:3])
 
 
 def test_emits_published_block_and_mid_block_tail() -> None:
     w, spy = make()
     t = oracle(31)
     out = run(w, meta({"a": 0}, {"a": [1]}), [("a", 0, t[:6])], [0])
-    assert out.rows_for("a") is None
+    assert_emits(out, "a", 0, t[:6])
     assert stored(spy, key(1)) == t[:4].tobytes()
     out = run(w, meta({"a": 0}), [("a", 6, t[6:7])], [1])
-    assert_emits(out, "a", 0, t[:7])
-    assert spy.gets == [[key(1)]]
+    assert_emits(out, "a", 6, t[6:7])
+    assert spy.gets == [], "a request's own rows are never read back from the store"
 
 
 def test_chunked_prefill_across_unkeyed_staged_blocks() -> None:
     w, spy = make()
     t = oracle(32)
-    run(w, meta({"a": 0}), [("a", 0, t[:6])], [0])  # block 0 staged (no hash), rows 4..5 in the tail
-    run(w, meta({"a": 0}), [("a", 6, t[6:9])], [0])  # completes block 1 (staged), opens a tail at 8
+    out = run(w, meta({"a": 0}), [("a", 0, t[:6])], [0])  # block 0 staged (no hash), rows 4..5 in the tail
+    assert_emits(out, "a", 0, t[:6])
+    out = run(w, meta({"a": 0}), [("a", 6, t[6:9])], [0])  # completes block 1 (staged), opens a tail at 8
+    assert_emits(out, "a", 6, t[6:9])
     out = run(w, meta({"a": 0}), [("a", 9, t[9:10])], [1])
-    assert_emits(out, "a", 0, t[:10])
+    assert_emits(out, "a", 9, t[9:10])
     assert spy.gets == []
 
 
 def test_output_does_not_alias_released_tail_buffer() -> None:
     w, _ = make()
     ta, tb = oracle(33), oracle(34)
-    run(w, meta({"a": 0}), [("a", 0, ta[:2])], [0])
+    first = assert_emits(run(w, meta({"a": 0}), [("a", 0, ta[:2])], [0]), "a", 0, ta[:2])
     out = run(w, meta({"a": 0}), [("a", 2, ta[2:3])], [1])
-    rows_a = assert_emits(out, "a", 0, ta[:3])
-    assert not np.shares_memory(rows_a, w.pool.blocks)
+    rows_a = np.concatenate([first, assert_emits(out, "a", 2, ta[2:3])])
+    assert not np.shares_memory(first, w.pool.blocks)
     w.begin_step(meta(finished=("a",)))
     run(w, meta({"b": 0}), [("b", 0, tb[:3])], [0])  # reuses the freed tail slot
     run(w, meta({"b": 0}), [("b", 3, tb[3:7])], [0])
@@ -827,7 +830,7 @@ def test_empty_step_and_non_sampling_step() -> None:
     assert out.req_ids == [] and len(out.rows) == 0
     t = oracle(73)
     out = run(w, meta({"a": 0}), [("a", 0, t[:3])], [0])
-    assert out.rows_for("a") is None
+    assert_emits(out, "a", 0, t[:3])  # a step that samples nothing still returns its rows
 
 
 def test_rejected_metadata_creates_no_state_for_other_requests() -> None:
