@@ -251,7 +251,7 @@ class SchedulerConnector:
                 )
             except ManifestUnavailableError as exc:  # store full or down: the exact rows go inline
                 self.inline_fallbacks[rid] = exc.reason
-                return exc.rows  # type: ignore[no-any-return]
+                return exc.rows  # type: ignore[return-value]
             except BlockStoreError as exc:  # the shared store is down or lost objects: this request fails
                 raise RoutesUnavailableError(rid, f"{type(exc).__name__}: {exc}") from exc
         return rows

@@ -1,6 +1,8 @@
-"""A store too small for the KV cache: a prefix hit whose routes were evicted fails that request only.
+"""A store too small for the KV cache: a prefix hit whose routes were evicted is recomputed.
 
-Routes fail closed (never partial or recomputed), and the engine keeps serving.
+The KV cache still holds the prefix, the store does not: the scheduler clips the hit to the
+readable routes, the engine recomputes the rest, and the routes are exact (never an error,
+never partial). Retrying the same prompt keeps working.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def llm(model_path: str):
     close_llm(engine)
 
 
-def test_evicted_prefix_fails_only_that_request(llm, model_path):
+def test_evicted_prefix_is_recomputed_with_exact_routes(llm, model_path):
     oracle = Oracle(model_path)
     rng = np.random.default_rng(40)
     prompts = [random_prompt(rng, 100) for _ in range(3)]
@@ -38,10 +40,10 @@ def test_evicted_prefix_fails_only_that_request(llm, model_path):
     for p, o in zip(prompts, outs, strict=True):
         oracle.check(p, o.outputs[0])
     again = prompts[0] + list(outs[0].outputs[0].token_ids) + random_prompt(rng, 5)
-    (hit,) = llm.generate([{"prompt_token_ids": again}], greedy(10), use_tqdm=False)
-    assert hit.num_cached_tokens >= 96
-    assert hit.outputs[0].finish_reason == "error"
-    assert hit.outputs[0].routed_experts is None
+    for _ in range(2):  # the same prompt twice: never a sticky failure
+        (hit,) = llm.generate([{"prompt_token_ids": again}], greedy(10), use_tqdm=False)
+        assert hit.outputs[0].finish_reason == "length", hit.outputs[0].stop_reason
+        oracle.check(again, hit.outputs[0])
     fresh = random_prompt(rng, 20)
     (ok,) = llm.generate([{"prompt_token_ids": fresh}], greedy(5), use_tqdm=False)
     oracle.check(fresh, ok.outputs[0])

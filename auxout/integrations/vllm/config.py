@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from auxout.integrations.vllm.options import CONFIG_KEY, VllmOptions
+from auxout.keys import KeySpace, model_keyspace, route_fingerprint
 
 SCHEDULER_CLS = "auxout.integrations.vllm.scheduler.AuxoutScheduler"
 CPU_WORKER_CLS = "auxout.integrations.vllm.cpu_worker.AuxoutCPUWorker"
@@ -34,3 +35,25 @@ def engine_kwargs(**options: Any) -> dict[str, Any]:
         # The worker commits each step's routes synchronously (the CPU platform forces this anyway).
         "async_scheduling": False,
     }
+
+
+def route_keyspace(vllm_config: Any, opts: VllmOptions, hash_block: int) -> KeySpace:
+    """The keyspace both the scheduler and the worker use: ``<namespace>/m<fingerprint>``.
+
+    The fingerprint covers the model (name or path), the route shape (decoder layers, top-k,
+    experts, id dtype), the hash block size and the prefix-cache hash algorithm, so two models
+    or route profiles never share a key, while the same model on any instance, after a restart
+    or on both sides of a P/D split, always does (given block hashes from the same seed).
+    """
+    mc = vllm_config.model_config
+    experts = int(mc.get_num_experts())
+    fp = route_fingerprint(
+        str(mc.model),
+        num_layers=int(getattr(mc.hf_text_config, "num_hidden_layers", 0) or 0),
+        top_k=int(mc.get_num_experts_per_tok()),
+        num_experts=experts,
+        dtype="uint8" if experts <= 256 else "uint16",
+        block_size=hash_block,
+        hash_algo=str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256")),
+    )
+    return model_keyspace(opts.namespace, fp)

@@ -4,14 +4,19 @@ vLLM 0.32's ``Scheduler`` already calls an ``aux_output_connector`` at the right
 metadata, request freed or preempted, per-request output, prefix-cache reset); it only builds
 its own when vLLM's Model Runner V2 feature is on. This subclass installs auxout's connector
 there through :class:`SchedulerBridge` and adds what vLLM does not do: per-request admission
-(opt-in/out, ``routed_experts_prompt_start``) and turning a request whose routes cannot be
-assembled into a failed request instead of a dead engine.
+(opt-in/out, ``routed_experts_prompt_start``), and a KV hit that never fails for missing
+routes: the local prefix hit (``_get_local_prefix_cache_hit``) and a KV connector's external
+hit (``get_num_new_matched_tokens``) are clipped to the blocks whose routes are readable, and a
+request whose prefix rows still could not be read drops that step's samples and is preempted,
+so it recomputes them.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -21,7 +26,9 @@ from vllm.v1.request import Request, RequestStatus
 
 from auxout.errors import BlockStoreError, RequestValidationError
 from auxout.held_rows import HeldRows
+from auxout.integrations.vllm.config import route_keyspace
 from auxout.integrations.vllm.options import (
+    INLINE_REASON_FIELD,
     MANIFEST_FIELD,
     OUTPUT_FLAG,
     REQUEST_FLAG,
@@ -33,10 +40,11 @@ from auxout.integrations.vllm.options import (
 from auxout.keys import KeySpace
 from auxout.keys_output import KeysPublisher
 from auxout.manifest import RouteManifest
+from auxout.metadata import StepOutput
 from auxout.scheduler_connector import SchedulerConnector
 from auxout.stores import BlockStore, make_store
 
-logger = logging.getLogger("auxout.vllm")
+logger = logging.getLogger("vllm.auxout")  # under vLLM's logger: its handlers and format
 
 
 def request_route_options(request: Any) -> tuple[object, object, object]:
@@ -48,7 +56,7 @@ def request_route_options(request: Any) -> tuple[object, object, object]:
     return params.routed_experts_prompt_start, normalize_flag(extra.get(REQUEST_FLAG)), extra.get(OUTPUT_FLAG)
 
 
-def make_publisher(opts: VllmOptions, block_size: int) -> KeysPublisher | None:
+def make_publisher(opts: VllmOptions, block_size: int, keyspace: KeySpace) -> KeysPublisher | None:
     """A scheduler-side client of the shared store, opened once the route shape is known."""
     if opts.store not in SHARED_STORES:
         return None
@@ -58,7 +66,30 @@ def make_publisher(opts: VllmOptions, block_size: int) -> KeysPublisher | None:
             opts.store, max_bytes=object_nbytes, object_nbytes=object_nbytes, background=False, **opts.store_options
         )
 
-    return KeysPublisher(open_store, keyspace=KeySpace(opts.namespace), block_size=block_size)
+    return KeysPublisher(open_store, keyspace=keyspace, block_size=block_size)
+
+
+def make_remote_contains(opts: VllmOptions, max_object_nbytes: int) -> Callable[[Sequence[str]], list[bool]] | None:
+    """``contains`` on the shared store other instances publish to (P/D peers, replicas, restarts).
+
+    Opened on first use; ``max_object_nbytes`` only bounds payload checks (``contains`` reads no
+    payload). None for an in-process store, which no other instance can fill.
+    """
+    if opts.store not in SHARED_STORES:
+        return None
+    client: list[BlockStore] = []
+
+    def contains(keys: Sequence[str]) -> list[bool]:
+        if not client:
+            client.append(
+                make_store(
+                    opts.store, max_bytes=max_object_nbytes, object_nbytes=max_object_nbytes, background=False,
+                    **opts.store_options,
+                )  # fmt: skip
+            )
+        return client[0].contains(keys)
+
+    return contains
 
 
 class SchedulerBridge:
@@ -76,6 +107,7 @@ class SchedulerBridge:
         self.failed: dict[str, str] = {}
         self.held = HeldRows()
         self.manifests: dict[str, dict[str, Any]] = {}
+        self.taken: set[str] = set()  # requests vLLM took output for this step
 
     def build_connector_meta(self, scheduler_output: Any, requests: Mapping[str, Request]) -> Any:
         return self.connector.build_metadata(scheduler_output.num_scheduled_tokens, requests)
@@ -89,6 +121,7 @@ class SchedulerBridge:
 
     def take_output(self, request: Request, output: Any) -> np.ndarray | None:
         rid = request.request_id
+        self.taken.add(rid)
         finished = request.is_finished()
         try:
             rows = self.connector.take_output(output, request, finished=finished)
@@ -102,11 +135,29 @@ class SchedulerBridge:
         if isinstance(rows, RouteManifest):  # keys-only: delivered in the final output's kv_transfer_params
             self.manifests[rid] = rows.to_dict()
             return None
-        params = request.sampling_params
-        if params is not None and params.stop:
-            return rows
         self.held.add(rid, rows)
-        return self.held.pop(rid) if finished else None
+        params = request.sampling_params
+        if finished or (params is not None and params.stop):
+            return self.held.pop(rid)
+        return None
+
+    def hold_uncollected(self, output: StepOutput, requests: Mapping[str, Request], skip: set[str]) -> None:
+        """Rows of requests vLLM emitted nothing for this step (a prefill chunk): held until they do."""
+        for rid in output.span_map():
+            if rid in self.taken or rid in skip:
+                continue
+            request = requests.get(rid)
+            if request is None or request.is_finished():
+                continue
+            try:
+                rows = self.connector.take_output(output, request)
+            except BlockStoreError as exc:
+                logger.error("auxout: routes of request %s are unavailable: %s", rid, exc)
+                self.failed[rid] = str(exc)
+                self.held.discard(rid)
+                continue
+            if isinstance(rows, np.ndarray):
+                self.held.add(rid, rows)
 
     def reset(self) -> None:
         self.connector.reset()
@@ -119,16 +170,91 @@ class AuxoutScheduler(Scheduler):
         super().__init__(vllm_config, *args, **kwargs)
         self.auxout_options: VllmOptions = options_from_vllm_config(vllm_config)
         opts = self.auxout_options
-        publisher = make_publisher(opts, self._auxout_hash_block_size(vllm_config))
+        hash_block = self._auxout_hash_block_size(vllm_config)
+        keyspace = route_keyspace(vllm_config, opts, hash_block)
+        publisher = make_publisher(opts, hash_block, keyspace)
+        kv_blocks = int(getattr(self.kv_cache_config, "num_blocks", 0)) * max(1, self.block_size // hash_block)
         self.auxout = SchedulerBridge(
-            SchedulerConnector(default_return=opts.default_return, publisher=publisher, default_output=opts.output)
+            SchedulerConnector(
+                default_return=opts.default_return,
+                publisher=publisher,
+                default_output=opts.output,
+                keyspace=keyspace,
+                block_size=hash_block,
+                remote_contains=make_remote_contains(opts, _max_object_nbytes(vllm_config, hash_block)),
+                index_capacity=max(1 << 16, 4 * kv_blocks),
+            )
         )
         self.aux_output_connector = self.auxout  # type: ignore[assignment]  # vLLM calls it at every hook
+        self._auxout_recompute_logged = 0
+        if self.connector is not None:
+            self._auxout_clip_connector(self.connector)
+        self._auxout_startup_warnings(vllm_config)
+        logger.info("auxout: route keys under %s (hash block %d)", keyspace.prefix(0), hash_block)
 
     def _auxout_hash_block_size(self, vllm_config: Any) -> int:
         from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 
         return int(resolve_kv_cache_block_sizes(self.kv_cache_config, vllm_config)[1])
+
+    # -- a KV hit never fails for missing routes --------------------------------------------------
+    def _get_local_prefix_cache_hit(self, request: Request) -> Any:
+        blocks, num_local, boundary, diverged = super()._get_local_prefix_cache_hit(request)
+        if num_local <= 0:
+            return blocks, num_local, boundary, diverged
+        keep = self.auxout.connector.readable_prefix(request, num_local)
+        keep -= keep % self.block_size
+        if keep < num_local:
+            self._auxout_log_recompute(request, num_local - keep, "local prefix cache")
+            blocks = self.kv_cache_manager.truncate_computed_blocks(blocks, keep)
+            num_local = keep
+        return blocks, num_local, boundary, diverged
+
+    def _auxout_clip_connector(self, connector: Any) -> None:
+        """Clip a KV connector's external hit to readable routes (the load then covers less)."""
+        original = connector.get_num_new_matched_tokens
+        block = self.block_size
+
+        def get_num_new_matched_tokens(request: Request, num_computed_tokens: int) -> Any:
+            ext, load_async = original(request, num_computed_tokens)
+            if not ext:
+                return ext, load_async
+            total = num_computed_tokens + ext
+            keep = self.auxout.connector.readable_prefix(request, total, num_computed_tokens)
+            keep -= keep % block
+            clipped = max(0, keep - num_computed_tokens)
+            if clipped >= ext:
+                return ext, load_async
+            self._auxout_log_recompute(request, ext - clipped, "KV connector")
+            return (clipped, load_async) if clipped else (0, False)
+
+        connector.get_num_new_matched_tokens = get_num_new_matched_tokens
+
+    def _auxout_log_recompute(self, request: Request, n: int, source: str) -> None:
+        logger.info(
+            "auxout: recomputing %d prefix tokens of request %s from the %s: their routes are not readable "
+            "(total recomputed: %d tokens)",
+            n, request.request_id, source, self.auxout.connector.recomputed_tokens,
+        )  # fmt: skip
+
+    def _auxout_startup_warnings(self, vllm_config: Any) -> None:
+        opts = self.auxout_options
+        if self.connector is not None and opts.store not in SHARED_STORES:
+            logger.warning(
+                "auxout: a KV connector is configured but routes live in the in-process store %r: KV that "
+                "comes from outside this engine (P/D, offload, restarts) cannot bring its routes, so those "
+                "prefixes are recomputed (correct, slower). Use a store both sides reach: store='redis' or "
+                "'mooncake' with the same namespace on every instance.",
+                opts.store,
+            )
+        algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
+        if opts.store in SHARED_STORES and "sha256" not in algo and os.environ.get("PYTHONHASHSEED") is None:
+            logger.warning(
+                "auxout: prefix_caching_hash_algo=%s seeds block hashes randomly per process, so other "
+                "instances (P/D peers, replicas, a restarted engine) never find these routes and recompute "
+                "them. Set PYTHONHASHSEED to the same value everywhere, or use sha256.",
+                algo,
+            )
 
     def add_request(self, request: Request) -> None:
         try:
@@ -144,10 +270,32 @@ class AuxoutScheduler(Scheduler):
         super().add_request(request)
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> dict[int, Any]:
+        step = getattr(model_runner_output, "aux_output_connector_output", None)
+        step = step if isinstance(step, StepOutput) else None
+        redo = self.auxout.connector.begin_output(step)
+        if redo:  # prefix rows unreadable: this step's samples are dropped, the request recomputes
+            index = model_runner_output.req_id_to_index
+            sampled = model_runner_output.sampled_token_ids
+            for rid in redo:
+                if rid in index and sampled:
+                    sampled[index[rid]] = []
+        self.auxout.taken.clear()
         outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if step is not None:
+            self.auxout.hold_uncollected(step, self.requests, set(redo))
+        for rid in redo:
+            request = self.requests.get(rid)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            self.running.remove(request)
+            self._preempt_request(request, time.monotonic(), drop_stale_output=True)  # in-flight samples too
+            logger.info(
+                "auxout: request %s recomputes its prefix: its routes could not be read (%s)",
+                rid, step.errors.get(rid, "") if step is not None else "",
+            )  # fmt: skip
         if self.auxout.failed:
             self._fail_requests(outputs)
-        if self.auxout.manifests:
+        if self.auxout.manifests or self.auxout.connector.inline_fallbacks:
             self._attach_manifests(outputs)
         return outputs
 
@@ -158,6 +306,9 @@ class AuxoutScheduler(Scheduler):
                 manifest = self.auxout.manifests.pop(out.request_id, None)
                 if manifest is not None:
                     out.kv_transfer_params = {**(out.kv_transfer_params or {}), MANIFEST_FIELD: manifest}
+                reason = self.auxout.connector.inline_fallbacks.pop(out.request_id, None)
+                if reason is not None:  # keys-only asked, rows inline: say why
+                    out.kv_transfer_params = {**(out.kv_transfer_params or {}), INLINE_REASON_FIELD: reason}
         for rid in list(self.auxout.manifests):
             if rid not in self.requests:
                 del self.auxout.manifests[rid]
@@ -180,6 +331,14 @@ class AuxoutScheduler(Scheduler):
         for rid in list(self.auxout.failed):
             if rid not in self.requests:  # gone without another output (aborted): forget it
                 del self.auxout.failed[rid]
+
+
+def _max_object_nbytes(vllm_config: Any, hash_block: int) -> int:
+    """An upper bound on one route object's size (every decoder layer counted as MoE)."""
+    mc = vllm_config.model_config
+    layers = int(getattr(mc.hf_text_config, "num_hidden_layers", 0) or 1)
+    itemsize = 1 if int(mc.get_num_experts()) <= 256 else 2
+    return hash_block * layers * int(mc.get_num_experts_per_tok()) * itemsize
 
 
 __all__ = ["AuxoutScheduler", "SchedulerBridge", "request_route_options"]

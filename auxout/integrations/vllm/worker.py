@@ -21,12 +21,12 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from vllm.v1.worker.gpu_worker import Worker
 
 from auxout.integrations.vllm.capture import RouteCapture, bind_capture
+from auxout.integrations.vllm.config import route_keyspace
 from auxout.integrations.vllm.options import options_from_vllm_config
-from auxout.keys import KeySpace
 from auxout.stores import make_store
 from auxout.worker_connector import PendingStep, WorkerConnector
 
-logger = logging.getLogger("auxout.vllm")
+logger = logging.getLogger("vllm.auxout")  # under vLLM's logger: its handlers and format
 
 
 def num_rejected_tokens(
@@ -78,7 +78,13 @@ class AuxoutWorkerMixin:
         object_nbytes = profile.block_nbytes(hash_block)
         max_bytes = opts.max_bytes or kv_cache_config.num_blocks * (kv_block // hash_block) * object_nbytes
         sched = self.vllm_config.scheduler_config
-        store = make_store(opts.store, max_bytes=max_bytes, object_nbytes=object_nbytes, **opts.store_options)
+        # A KV producer (P/D prefill, a connector saving KV for restarts) publishes each step's
+        # routes before the step returns: the consumer may ask for them as soon as it gets the KV.
+        ktc = self.vllm_config.kv_transfer_config
+        producer = ktc is not None and getattr(ktc, "kv_role", None) in ("kv_producer", "kv_both")
+        store = make_store(
+            opts.store, max_bytes=max_bytes, object_nbytes=object_nbytes, background=not producer, **opts.store_options
+        )
         if self._auxout_connector is not None:
             self._auxout_connector.close()
         self._auxout_connector = WorkerConnector(
@@ -88,7 +94,7 @@ class AuxoutWorkerMixin:
             max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens,
             max_concurrent_batches=1,
-            keyspace=KeySpace(opts.namespace),
+            keyspace=route_keyspace(self.vllm_config, opts, hash_block),
         )
         logger.info(
             "auxout: routes %s x %s, hash block %d, store %s with %d bytes",

@@ -1,0 +1,165 @@
+"""P/D, replicas and restarts with real parts: a KV hit never fails for missing routes.
+
+A prefill engine and a decode engine (two vLLM engine-core processes) move KV through vLLM's
+own ``ExampleConnector`` (saved to a directory by the producer, loaded by the consumer: the
+scheduler path NIXL, Mooncake and LMCache take on GPUs) and share routes through a real
+redis-server. The decode side returns the whole sequence's routes (or from ``prompt_start``)
+equal to transformers' full forward, for block-aligned and unaligned prompts, with prefix hits
+on both sides. With an in-process store the decode side recomputes the prompt instead (correct,
+no error) and auxout warns at startup. Two engines sharing a Redis namespace publish a common
+prefix once, and an engine restarted against the same store and connector directory serves old
+prefixes' routes without recomputing them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from routes_oracle import Oracle, close_llm, greedy, make_llm, random_prompt
+
+from auxout.testing.servers import redis_server
+
+pytestmark = pytest.mark.vllm
+
+BLOCK = 32
+
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    from auxout.models import build_tiny_moe
+
+    return build_tiny_moe("qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def oracle(model_path: str) -> Oracle:
+    return Oracle(model_path)
+
+
+@pytest.fixture(scope="module")
+def redis_url():  # type: ignore[no-untyped-def]
+    with redis_server() as srv:
+        yield srv.url
+
+
+@pytest.fixture(scope="module")
+def kv_dir(tmp_path_factory) -> str:  # type: ignore[no-untyped-def]
+    return str(tmp_path_factory.mktemp("kv"))
+
+
+def pd_engine(model_path: str, kv_dir: str, role: str, **auxout: object):  # type: ignore[no-untyped-def]
+    from vllm.config import KVTransferConfig
+
+    from auxout.vllm import engine_kwargs
+
+    kw = engine_kwargs(**auxout)  # type: ignore[arg-type]
+    ktc = KVTransferConfig(
+        kv_connector="ExampleConnector", kv_role=role, kv_connector_extra_config={"shared_storage_path": kv_dir}
+    )
+    return make_llm(model_path, max_model_len=1024, kv_transfer_config=ktc, additional_config=kw["additional_config"])
+
+
+def redis_opts(url: str) -> dict:
+    return {"store": "redis", "namespace": "pd", "store_options": {"url": url, "namespace": "pdtest"}}
+
+
+@pytest.fixture(scope="module")
+def prefill(model_path, kv_dir, redis_url):  # type: ignore[no-untyped-def]
+    engine = pd_engine(model_path, kv_dir, "kv_producer", **redis_opts(redis_url))
+    yield engine
+    close_llm(engine)
+
+
+@pytest.fixture(scope="module")
+def decode(model_path, kv_dir, redis_url, prefill):  # type: ignore[no-untyped-def]
+    engine = pd_engine(model_path, kv_dir, "kv_consumer", **redis_opts(redis_url))
+    yield engine
+    close_llm(engine)
+
+
+def gen(llm, prompt: list[int], n: int, **kw):  # type: ignore[no-untyped-def]
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], greedy(n, **kw), use_tqdm=False)
+    return out
+
+
+def redis_keys(url: str) -> int:
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        return sum(1 for _ in client.scan_iter(match="pdtest*"))
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("length", [100, 4 * BLOCK + 1])  # unaligned, and one past a block boundary
+def test_decode_side_returns_whole_sequence_routes(prefill, decode, oracle, length):
+    prompt = random_prompt(np.random.default_rng(length), length)
+    p = gen(prefill, prompt, 1)
+    oracle.check(prompt, p.outputs[0])
+    d = gen(decode, prompt, 12)
+    full = (length - 1) // BLOCK * BLOCK  # ExampleConnector loads whole blocks of prompt[:-1]
+    assert d.num_cached_tokens == full, "the decode side must load the prompt's KV through the connector"
+    oracle.check(prompt, d.outputs[0])
+    # the decode side never ran those prompt tokens: their routes came from Redis, exact
+    assert np.array_equal(d.outputs[0].routed_experts[: full - 1], p.outputs[0].routed_experts[: full - 1])
+
+
+def test_prompt_start_and_prefix_hits_on_both_sides(prefill, decode, oracle):
+    rng = np.random.default_rng(7)
+    base = random_prompt(rng, 3 * BLOCK)
+    first = base + random_prompt(rng, 20)
+    gen(prefill, first, 1)
+    gen(decode, first, 8)
+    second = base + random_prompt(rng, 45)  # shares 3 blocks with `first` on both engines
+    p = gen(prefill, second, 1)
+    assert p.num_cached_tokens >= 3 * BLOCK, "prefill side: local prefix hit"
+    d = gen(decode, second, 10, routed_experts_prompt_start=50)
+    assert d.num_cached_tokens >= 3 * BLOCK
+    oracle.check(second, d.outputs[0], prompt_start=50)
+
+
+def test_replicas_sharing_a_namespace_publish_a_common_prefix_once(prefill, decode, oracle, redis_url):
+    rng = np.random.default_rng(11)
+    common = random_prompt(rng, 4 * BLOCK)
+    a = common + random_prompt(rng, 7)
+    gen(prefill, a, 1)
+    before = redis_keys(redis_url)
+    b = common + random_prompt(rng, 9)  # not saved by the connector: the decode engine computes it
+    d = gen(decode, b, 6)
+    assert d.num_cached_tokens == 0
+    oracle.check(b, d.outputs[0])
+    # both engines computed the 4 common blocks; the second write of each is a no-op (first wins)
+    assert redis_keys(redis_url) == before, "a common prefix must be stored once across replicas"
+
+
+def test_in_process_store_recomputes_external_kv_and_warns(model_path, kv_dir, prefill, oracle, capfd):
+    prompt = random_prompt(np.random.default_rng(21), 90)
+    gen(prefill, prompt, 1)  # KV saved to the directory; routes only in Redis
+    engine = pd_engine(model_path, kv_dir, "kv_consumer")  # default in-process store
+    try:
+        err = capfd.readouterr().err
+        assert "cannot bring its routes" in err, "auxout must warn that external KV comes without routes"
+        d = gen(engine, prompt, 8)
+        assert d.outputs[0].finish_reason == "length", d.outputs[0].stop_reason
+        assert d.num_cached_tokens == 0, "the external hit must be clipped: its routes are not readable"
+        oracle.check(prompt, d.outputs[0])
+    finally:
+        close_llm(engine)
+
+
+def test_restarted_engine_serves_old_prefixes_without_recompute(model_path, kv_dir, redis_url, oracle, decode):
+    rng = np.random.default_rng(31)
+    prompt = random_prompt(rng, 3 * BLOCK + 5)
+    first = pd_engine(model_path, kv_dir, "kv_both", **redis_opts(redis_url))
+    try:
+        gen(first, prompt, 1)  # computes, saves KV to the directory and routes to Redis
+    finally:
+        close_llm(first)
+    restarted = pd_engine(model_path, kv_dir, "kv_both", **redis_opts(redis_url))
+    try:
+        d = gen(restarted, prompt, 6)
+        assert d.num_cached_tokens == 3 * BLOCK, "the restarted engine must reuse the saved KV (no recompute)"
+        oracle.check(prompt, d.outputs[0])
+    finally:
+        close_llm(restarted)
