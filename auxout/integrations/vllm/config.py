@@ -6,7 +6,7 @@ from typing import Any
 
 from auxout.integrations.vllm.options import CONFIG_KEY, VllmOptions
 
-SCHEDULER_CLS = "auxout.integrations.vllm.scheduler.AuxoutScheduler"
+SCHEDULER_CLS = "auxout.integrations.vllm.async_scheduler.AuxoutSchedulerSelector"
 CPU_WORKER_CLS = "auxout.integrations.vllm.cpu_worker.AuxoutCPUWorker"
 GPU_WORKER_CLS = "auxout.integrations.vllm.worker.AuxoutGPUWorker"
 
@@ -31,6 +31,5 @@ def engine_kwargs(**options: Any) -> dict[str, Any]:
         "worker_cls": default_worker_cls(),
         "additional_config": {CONFIG_KEY: opts.to_dict()},
         "enable_prefix_caching": True,
-        # The worker commits each step's routes synchronously (the CPU platform forces this anyway).
-        "async_scheduling": False,
+        # async_scheduling is left to vLLM: the scheduler class follows the final setting.
     }

@@ -14,12 +14,14 @@ rides back to the scheduler in ``ModelRunnerOutput.aux_output_connector_output``
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 import numpy as np
-from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, AsyncModelRunnerOutput, ModelRunnerOutput
 from vllm.v1.worker.gpu_worker import Worker
 
+from auxout.integrations.vllm.async_output import RoutedAsyncOutput
 from auxout.integrations.vllm.capture import RouteCapture, bind_capture
 from auxout.integrations.vllm.options import options_from_vllm_config
 from auxout.keys import KeySpace
@@ -49,6 +51,8 @@ class AuxoutWorkerMixin:
     _auxout_capture: RouteCapture | None = None
     _auxout_connector: WorkerConnector | None = None
     _auxout_pending: tuple[PendingStep, list[str], dict[str, int], dict[str, list[int]]] | None = None
+    # Async scheduling resolves step outputs on the executor's output thread: connector calls lock.
+    _auxout_lock: threading.Lock = threading.Lock()
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)  # type: ignore[misc]
@@ -68,8 +72,6 @@ class AuxoutWorkerMixin:
             raise RuntimeError("auxout: the KV cache was sized before the model was loaded")
         if getattr(self, "rank", 0) != 0:
             return  # only the output rank keeps routes (TP ranks > 0 just capture)
-        if self.vllm_config.scheduler_config.async_scheduling:
-            raise ValueError("auxout's vLLM worker commits routes per step: run with async_scheduling=False")
         if not self.vllm_config.cache_config.enable_prefix_caching:
             raise ValueError("auxout routes need prefix caching (enable_prefix_caching=True)")
         opts = options_from_vllm_config(self.vllm_config)
@@ -81,13 +83,15 @@ class AuxoutWorkerMixin:
         store = make_store(opts.store, max_bytes=max_bytes, object_nbytes=object_nbytes, **opts.store_options)
         if self._auxout_connector is not None:
             self._auxout_connector.close()
+        self._auxout_lock = threading.Lock()
         self._auxout_connector = WorkerConnector(
             profile,
             block_size=hash_block,
             store=store,
             max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens,
-            max_concurrent_batches=1,
+            # async scheduling: the next step is prepared before this one's output resolves
+            max_concurrent_batches=2 if sched.async_scheduling else 1,
             keyspace=KeySpace(opts.namespace),
         )
         logger.info(
@@ -99,7 +103,8 @@ class AuxoutWorkerMixin:
         conn = self._auxout_connector
         meta = getattr(scheduler_output, "aux_output_connector_metadata", None)
         if conn is not None:
-            conn.begin_step(meta)
+            with self._auxout_lock:
+                conn.begin_step(meta)
         output = super().execute_model(scheduler_output, *args, **kwargs)  # type: ignore[misc]
         if conn is None or meta is None or scheduler_output.total_num_scheduled_tokens == 0:
             return output
@@ -111,7 +116,8 @@ class AuxoutWorkerMixin:
         starts = batch.num_computed_tokens_cpu[:n].copy()
         assert self._auxout_capture is not None
         rows = self._auxout_capture.snapshot(int(qsl[-1]))
-        pending = conn.prepare_output(req_ids, starts, qsl, rows)
+        with self._auxout_lock:
+            pending = conn.prepare_output(req_ids, starts, qsl, rows)
         if pending is not None:
             self._auxout_pending = (
                 pending,
@@ -128,12 +134,20 @@ class AuxoutWorkerMixin:
         return self._auxout_finish(output)
 
     def _auxout_finish(self, output: Any) -> Any:
-        if self._auxout_pending is None:
+        step = self._auxout_pending
+        if step is None:
             return output
-        if not isinstance(output, ModelRunnerOutput) or output is EMPTY_MODEL_RUNNER_OUTPUT:
-            raise RuntimeError(f"auxout needs a synchronous ModelRunnerOutput, got {type(output).__name__}")
-        pending, req_ids, scheduled, spec = self._auxout_pending
         self._auxout_pending = None
+        if isinstance(output, AsyncModelRunnerOutput):  # async scheduling: commit when it resolves
+            return RoutedAsyncOutput(output, lambda resolved: self._auxout_commit(step, resolved))
+        return self._auxout_commit(step, output)
+
+    def _auxout_commit(
+        self, step: tuple[PendingStep, list[str], dict[str, int], dict[str, list[int]]], output: Any
+    ) -> Any:
+        if not isinstance(output, ModelRunnerOutput) or output is EMPTY_MODEL_RUNNER_OUTPUT:
+            raise RuntimeError(f"auxout needs the step's ModelRunnerOutput, got {type(output).__name__}")
+        pending, req_ids, scheduled, spec = step
         index = output.req_id_to_index
         sampled_ids = output.sampled_token_ids
         num_sampled = np.fromiter(
@@ -141,9 +155,10 @@ class AuxoutWorkerMixin:
         )
         rejected = num_rejected_tokens(req_ids, num_sampled, scheduled, spec)
         assert self._auxout_connector is not None
-        step = self._auxout_connector.process_output(pending, num_sampled, rejected)
+        with self._auxout_lock:
+            routes = self._auxout_connector.process_output(pending, num_sampled, rejected)
         # vLLM types the field as its own connector output; the scheduler bridge reads ours.
-        output.aux_output_connector_output = step  # type: ignore[assignment]
+        output.aux_output_connector_output = routes  # type: ignore[assignment]
         return output
 
     def shutdown(self) -> None:
