@@ -30,6 +30,7 @@ from auxout.integrations.vllm.options import (
     normalize_flag,
     options_from_vllm_config,
 )
+from auxout.integrations.vllm.topology import route_keyspace
 from auxout.keys import KeySpace
 from auxout.keys_output import KeysPublisher
 from auxout.manifest import RouteManifest
@@ -48,7 +49,7 @@ def request_route_options(request: Any) -> tuple[object, object, object]:
     return params.routed_experts_prompt_start, normalize_flag(extra.get(REQUEST_FLAG)), extra.get(OUTPUT_FLAG)
 
 
-def make_publisher(opts: VllmOptions, block_size: int) -> KeysPublisher | None:
+def make_publisher(opts: VllmOptions, block_size: int, keyspace: KeySpace | None = None) -> KeysPublisher | None:
     """A scheduler-side client of the shared store, opened once the route shape is known."""
     if opts.store not in SHARED_STORES:
         return None
@@ -58,7 +59,7 @@ def make_publisher(opts: VllmOptions, block_size: int) -> KeysPublisher | None:
             opts.store, max_bytes=object_nbytes, object_nbytes=object_nbytes, background=False, **opts.store_options
         )
 
-    return KeysPublisher(open_store, keyspace=KeySpace(opts.namespace), block_size=block_size)
+    return KeysPublisher(open_store, keyspace=keyspace or KeySpace(opts.namespace), block_size=block_size)
 
 
 class SchedulerBridge:
@@ -119,7 +120,8 @@ class AuxoutScheduler(Scheduler):
         super().__init__(vllm_config, *args, **kwargs)
         self.auxout_options: VllmOptions = options_from_vllm_config(vllm_config)
         opts = self.auxout_options
-        publisher = make_publisher(opts, self._auxout_hash_block_size(vllm_config))
+        keyspace = route_keyspace(opts.namespace, vllm_config.parallel_config)  # per DP rank
+        publisher = make_publisher(opts, self._auxout_hash_block_size(vllm_config), keyspace)
         self.auxout = SchedulerBridge(
             SchedulerConnector(default_return=opts.default_return, publisher=publisher, default_output=opts.output)
         )

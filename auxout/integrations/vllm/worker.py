@@ -24,7 +24,7 @@ from vllm.v1.worker.gpu_worker import Worker
 from auxout.integrations.vllm.async_output import RoutedAsyncOutput
 from auxout.integrations.vllm.capture import RouteCapture, bind_capture
 from auxout.integrations.vllm.options import options_from_vllm_config
-from auxout.keys import KeySpace
+from auxout.integrations.vllm.topology import RankRole, current_role, install_pipeline_rows, route_keyspace
 from auxout.stores import make_store
 from auxout.worker_connector import PendingStep, WorkerConnector
 
@@ -49,6 +49,8 @@ class AuxoutWorkerMixin:
     vllm_config: Any
     model_runner: Any
     _auxout_capture: RouteCapture | None = None
+    _auxout_async_steps = 0  # steps whose routes were committed from an AsyncModelRunnerOutput
+    _auxout_role: RankRole = RankRole(captures=True, owns_routes=True, pp_size=1, last_stage=True)
     _auxout_connector: WorkerConnector | None = None
     _auxout_pending: tuple[PendingStep, list[str], dict[str, int], dict[str, list[int]]] | None = None
     # Async scheduling resolves step outputs on the executor's output thread: connector calls lock.
@@ -57,9 +59,21 @@ class AuxoutWorkerMixin:
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)  # type: ignore[misc]
         sched = self.vllm_config.scheduler_config
-        self._auxout_capture = bind_capture(
-            self.model_runner.get_model(), self.vllm_config.model_config, sched.max_num_batched_tokens
+        role = self._auxout_role = current_role()
+        # every rank takes part (PP stages exchange their MoE layer ids), then only some keep it
+        capture: RouteCapture | None = bind_capture(
+            self.model_runner.get_model(), self.vllm_config.model_config, sched.max_num_batched_tokens, role.pp_size
         )
+        if not role.captures and capture is not None:  # TP rank > 0: the same ids as TP rank 0
+            capture.unbind()
+            capture = None
+        if role.pp_size > 1:  # stages forward their rows downstream with the hidden states
+            install_pipeline_rows(
+                self.model_runner,
+                capture.load_rows if capture is not None else None,
+                capture.rows_bytes if capture is not None and role.ships_rows else None,
+            )
+        self._auxout_capture = capture
 
     def initialize_from_config(self, kv_cache_config: Any) -> None:
         super().initialize_from_config(kv_cache_config)  # type: ignore[misc]
@@ -68,10 +82,10 @@ class AuxoutWorkerMixin:
     def _auxout_build_connector(self, kv_cache_config: Any) -> None:
         from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 
+        if not self._auxout_role.owns_routes:
+            return  # only the output rank keeps routes (see auxout.integrations.vllm.topology)
         if self._auxout_capture is None:
             raise RuntimeError("auxout: the KV cache was sized before the model was loaded")
-        if getattr(self, "rank", 0) != 0:
-            return  # only the output rank keeps routes (TP ranks > 0 just capture)
         if not self.vllm_config.cache_config.enable_prefix_caching:
             raise ValueError("auxout routes need prefix caching (enable_prefix_caching=True)")
         opts = options_from_vllm_config(self.vllm_config)
@@ -92,7 +106,7 @@ class AuxoutWorkerMixin:
             max_num_batched_tokens=sched.max_num_batched_tokens,
             # async scheduling: the next step is prepared before this one's output resolves
             max_concurrent_batches=2 if sched.async_scheduling else 1,
-            keyspace=KeySpace(opts.namespace),
+            keyspace=route_keyspace(opts.namespace, self.vllm_config.parallel_config),
         )
         logger.info(
             "auxout: routes %s x %s, hash block %d, store %s with %d bytes",
@@ -139,6 +153,7 @@ class AuxoutWorkerMixin:
             return output
         self._auxout_pending = None
         if isinstance(output, AsyncModelRunnerOutput):  # async scheduling: commit when it resolves
+            self._auxout_async_steps += 1
             return RoutedAsyncOutput(output, lambda resolved: self._auxout_commit(step, resolved))
         return self._auxout_commit(step, output)
 
@@ -160,6 +175,20 @@ class AuxoutWorkerMixin:
         # vLLM types the field as its own connector output; the scheduler bridge reads ours.
         output.aux_output_connector_output = routes  # type: ignore[assignment]
         return output
+
+    def auxout_rank_state(self) -> dict[str, Any]:
+        """What this rank does for routes (``llm.collective_rpc("auxout_rank_state")``)."""
+        role, capture, conn = self._auxout_role, self._auxout_capture, self._auxout_connector
+        return {
+            "captures": capture is not None,
+            "columns": [] if capture is None else list(capture.columns),
+            "num_moe_layers": None if capture is None else capture.profile.num_layers,
+            "owns_routes": conn is not None,
+            "ships_rows": role.ships_rows,
+            "max_concurrent_batches": None if conn is None else conn.max_concurrent_batches,
+            "async_scheduling": bool(self.vllm_config.scheduler_config.async_scheduling),
+            "async_steps": self._auxout_async_steps,
+        }
 
     def shutdown(self) -> None:
         if self._auxout_connector is not None:
