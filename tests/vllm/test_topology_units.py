@@ -19,6 +19,8 @@ from auxout.keys import KeySpace
 from auxout.stores import ArenaStore
 from auxout.testing import FakeMoE, SimEngine, oracle_routes
 
+pytestmark = pytest.mark.vllm
+
 
 @pytest.mark.parametrize(
     ("tp_rank", "pp_size", "first", "last", "expected"),
@@ -46,6 +48,25 @@ def test_route_keyspace_per_dp_rank():
     assert spaces == [KeySpace("ns/dp0"), KeySpace("ns/dp1")]
     h = [bytes(range(32))]
     assert spaces[0].keys(h, 0) != spaces[1].keys(h, 0)
+
+
+def test_route_keyspace_reads_vllms_dp_rank():
+    """On the config vLLM builds for each DP rank (``LLM(data_parallel_size=2)`` itself is refused
+    offline: "not supported for single-process usage"; each rank is its own engine)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from auxout.models import build_tiny_moe
+
+    path = build_tiny_moe("qwen3_moe")
+    spaces = [
+        route_keyspace(
+            "ns",
+            EngineArgs(model=path, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, block_size=32,
+                       data_parallel_size=2, data_parallel_rank=rank).create_engine_config().parallel_config,
+        )  # fmt: skip
+        for rank in (0, 1)
+    ]
+    assert spaces == [KeySpace("ns/dp0"), KeySpace("ns/dp1")]
 
 
 def _rank(model: FakeMoE, store: ArenaStore, keyspace: KeySpace) -> SimEngine:
