@@ -43,9 +43,9 @@ def test_engine_kwargs_carry_options():
     from auxout.vllm import engine_kwargs
 
     kw = engine_kwargs(max_bytes=4096, default_return=False)
-    assert kw["scheduler_cls"].endswith("AuxoutScheduler")
+    assert kw["scheduler_cls"].endswith("AuxoutSchedulerSelector")  # sync or async, as vLLM decides
     assert kw["worker_cls"].endswith("AuxoutCPUWorker")
-    assert kw["enable_prefix_caching"] is True and kw["async_scheduling"] is False
+    assert kw["enable_prefix_caching"] is True and "async_scheduling" not in kw
     assert options_from_vllm_config(_Cfg(kw["additional_config"])) == VllmOptions(max_bytes=4096, default_return=False)
     with pytest.raises(ValueError):
         engine_kwargs(store_name="arena")
@@ -58,7 +58,7 @@ def test_serve_argv_merges_user_additional_config():
     assert argv[:4] == ["--model", "/m", "--port", "9"]
     extra = json.loads(argv[argv.index("--additional-config") + 1])
     assert extra["x"] == 1 and extra[CONFIG_KEY]["namespace"] == "a"
-    assert "--enable-prefix-caching" in argv and "--no-async-scheduling" in argv
+    assert "--enable-prefix-caching" in argv and "--no-async-scheduling" not in argv
     assert argv.count("--additional-config") == 1
 
 

@@ -23,22 +23,28 @@ _TORCH_DTYPES = {np.dtype(np.uint8): torch.uint8, np.dtype(np.uint16): torch.uin
 
 
 def find_moe_routers(model: torch.nn.Module) -> list[Any]:
-    """The ``BaseRouter`` of every fused-MoE layer, in layer order."""
+    """The ``BaseRouter`` of every fused-MoE layer, in layer order (this PP stage's layers)."""
+    routers = [router for _, router in find_moe_routers_with_ids(model)]
+    if not routers:
+        raise ValueError("auxout found no fused-MoE router in the model: routes need an MoE model")
+    return routers
+
+
+def find_moe_routers_with_ids(model: torch.nn.Module) -> list[tuple[int, Any]]:
+    """``(decoder layer id, BaseRouter)`` of every fused-MoE layer of ``model``, in layer order."""
     from vllm.model_executor.layers.fused_moe.layer import MoERunner
     from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
 
     runners = [m for m in model.modules() if isinstance(m, MoERunner)]
     runners.sort(key=lambda m: getattr(m, "layer_id", 0))
-    routers = []
+    routers: list[tuple[int, Any]] = []
     for runner in runners:
         if runner._quant_method.is_monolithic:
             raise ValueError(f"auxout cannot capture routes of monolithic MoE kernel in layer {runner.layer_id}")
         if not isinstance(runner.router, BaseRouter):
             raise ValueError(f"auxout cannot capture routes of router {type(runner.router).__name__}")
-        routers.append(runner.router)
-    if not routers:
-        raise ValueError("auxout found no fused-MoE router in the model: routes need an MoE model")
-    return routers
+        routers.append((int(getattr(runner, "layer_id", len(routers))), runner.router))
+    return routers  # empty on a PP stage without MoE layers
 
 
 def profile_from_model_config(model_config: Any, num_moe_layers: int) -> RouteProfile:
@@ -53,11 +59,22 @@ def profile_from_model_config(model_config: Any, num_moe_layers: int) -> RoutePr
 class RouteCapture:
     """Per-step capture buffer bound to a model's routers (one per worker)."""
 
-    def __init__(self, profile: RouteProfile, max_tokens: int, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        profile: RouteProfile,
+        max_tokens: int,
+        device: torch.device | str = "cpu",
+        *,
+        host_buffer: bool | None = None,
+    ) -> None:
+        """``host_buffer`` forces the numpy (True) or torch-tensor (False) buffer; default: numpy
+        exactly when ``device`` is the CPU (tests force the tensor path on a CPU device)."""
         self.profile = profile
         self.max_tokens = max_tokens
         shape = (max_tokens, profile.num_layers, profile.top_k)
-        self.on_host = torch.device(device).type == "cpu"
+        self.on_host = torch.device(device).type == "cpu" if host_buffer is None else host_buffer
+        if self.on_host and torch.device(device).type != "cpu":
+            raise ValueError(f"a numpy capture buffer lives on the host, not on {device}")
         self.host_buffer = np.zeros(shape, dtype=profile.dtype)
         self.buffer = (
             torch.from_numpy(self.host_buffer)
@@ -65,18 +82,46 @@ class RouteCapture:
             else torch.zeros(shape, dtype=_TORCH_DTYPES[profile.dtype], device=device)
         )
         self._routers: list[Any] = []
+        self.columns: list[int] = []  # model-order MoE column of each bound router
 
-    def bind(self, routers: list[Any]) -> None:
-        if len(routers) != self.profile.num_layers:
-            raise ValueError(f"profile has {self.profile.num_layers} MoE layers but the model has {len(routers)}")
-        for index, router in enumerate(routers):
-            router.set_capture_fn(partial(self._capture, index))
+    def bind(self, routers: list[Any], columns: list[int] | None = None) -> None:
+        """Route router ``i`` into column ``columns[i]`` (default ``i``: all layers are local).
+
+        With pipeline parallelism a stage binds only its own layers, at their model-order columns.
+        """
+        if columns is None:
+            if len(routers) != self.profile.num_layers:
+                raise ValueError(f"profile has {self.profile.num_layers} MoE layers but the model has {len(routers)}")
+            columns = list(range(len(routers)))
+        if len(columns) != len(routers) or len(set(columns)) != len(columns):
+            raise ValueError(f"need one distinct column per router, got {columns} for {len(routers)} routers")
+        if any(not 0 <= c < self.profile.num_layers for c in columns):
+            raise ValueError(f"columns {columns} out of range for {self.profile.num_layers} MoE layers")
+        for column, router in zip(columns, routers):
+            router.set_capture_fn(partial(self._capture, column))
         self._routers = routers
+        self.columns = list(columns)
+
+    def rows_bytes(self, num_rows: int) -> torch.Tensor:
+        """This step's first ``num_rows`` rows as ``[n, L*k*itemsize]`` uint8 (a view: PP send)."""
+        rows = self.buffer[:num_rows]
+        return rows.reshape(num_rows, -1).view(torch.uint8)
+
+    def load_rows(self, data: torch.Tensor) -> None:
+        """Write rows received from the previous PP stage (as :meth:`rows_bytes` made them)."""
+        n = data.shape[0]
+        if n > self.max_tokens or data.dtype != torch.uint8 or data.shape[1:] != (self.profile.token_nbytes,):
+            raise InvariantError(
+                f"received PP capture rows {tuple(data.shape)} {data.dtype}, expected at most "
+                f"({self.max_tokens}, {self.profile.token_nbytes}) uint8"
+            )
+        self.buffer[:n].reshape(n, -1).view(torch.uint8).copy_(data)
 
     def unbind(self) -> None:
         for router in self._routers:
             router.set_capture_fn(None)
         self._routers = []
+        self.columns = []
 
     def _capture(self, layer: int, topk_ids: torch.Tensor) -> None:
         n = topk_ids.shape[0]
@@ -93,13 +138,22 @@ class RouteCapture:
             raise InvariantError(f"snapshot of {num_rows} rows exceeds capture buffer of {self.max_tokens}")
         if self.on_host:
             return self.host_buffer[:num_rows].copy()
-        return self.buffer[:num_rows].cpu().numpy()
+        # copy=True: on a CPU device .cpu() would alias the buffer the next step overwrites
+        return self.buffer[:num_rows].to("cpu", copy=True).numpy()
 
 
-def bind_capture(model: torch.nn.Module, model_config: Any, max_tokens: int) -> RouteCapture:
-    """Find the MoE routers of ``model`` and bind a fresh capture buffer to them."""
-    routers = find_moe_routers(model)
+def bind_capture(model: torch.nn.Module, model_config: Any, max_tokens: int, pp_size: int = 1) -> RouteCapture:
+    """Find the MoE routers of ``model`` (this PP stage's) and bind a fresh capture buffer to them.
+
+    The buffer always spans every MoE layer of the model, in model order.
+    """
+    from auxout.integrations.vllm.topology import moe_columns
+
+    found = find_moe_routers_with_ids(model)
+    total, columns = moe_columns([layer for layer, _ in found], pp_size)
+    if total == 0:
+        raise ValueError("auxout found no fused-MoE router in the model: routes need an MoE model")
     device = next(model.parameters()).device
-    capture = RouteCapture(profile_from_model_config(model_config, len(routers)), max_tokens, device)
-    capture.bind(routers)
+    capture = RouteCapture(profile_from_model_config(model_config, total), max_tokens, device)
+    capture.bind([router for _, router in found], columns)
     return capture

@@ -7,7 +7,7 @@ from typing import Any
 from auxout.integrations.vllm.options import CONFIG_KEY, VllmOptions
 from auxout.keys import KeySpace, model_keyspace, route_fingerprint
 
-SCHEDULER_CLS = "auxout.integrations.vllm.scheduler.AuxoutScheduler"
+SCHEDULER_CLS = "auxout.integrations.vllm.async_scheduler.AuxoutSchedulerSelector"
 CPU_WORKER_CLS = "auxout.integrations.vllm.cpu_worker.AuxoutCPUWorker"
 GPU_WORKER_CLS = "auxout.integrations.vllm.worker.AuxoutGPUWorker"
 
@@ -32,8 +32,7 @@ def engine_kwargs(**options: Any) -> dict[str, Any]:
         "worker_cls": default_worker_cls(),
         "additional_config": {CONFIG_KEY: opts.to_dict()},
         "enable_prefix_caching": True,
-        # The worker commits each step's routes synchronously (the CPU platform forces this anyway).
-        "async_scheduling": False,
+        # async_scheduling is left to vLLM: the scheduler class follows the final setting.
     }
 
 
@@ -56,4 +55,6 @@ def route_keyspace(vllm_config: Any, opts: VllmOptions, hash_block: int) -> KeyS
         block_size=hash_block,
         hash_algo=str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256")),
     )
-    return model_keyspace(opts.namespace, fp)
+    from auxout.integrations.vllm.topology import dp_keyspace
+
+    return model_keyspace(dp_keyspace(opts.namespace, vllm_config.parallel_config).namespace, fp)

@@ -56,7 +56,7 @@ def request_route_options(request: Any) -> tuple[object, object, object]:
     return params.routed_experts_prompt_start, normalize_flag(extra.get(REQUEST_FLAG)), extra.get(OUTPUT_FLAG)
 
 
-def make_publisher(opts: VllmOptions, block_size: int, keyspace: KeySpace) -> KeysPublisher | None:
+def make_publisher(opts: VllmOptions, block_size: int, keyspace: KeySpace | None = None) -> KeysPublisher | None:
     """A scheduler-side client of the shared store, opened once the route shape is known."""
     if opts.store not in SHARED_STORES:
         return None
@@ -66,7 +66,7 @@ def make_publisher(opts: VllmOptions, block_size: int, keyspace: KeySpace) -> Ke
             opts.store, max_bytes=object_nbytes, object_nbytes=object_nbytes, background=False, **opts.store_options
         )
 
-    return KeysPublisher(open_store, keyspace=keyspace, block_size=block_size)
+    return KeysPublisher(open_store, keyspace=keyspace or KeySpace(opts.namespace), block_size=block_size)
 
 
 def make_remote_contains(opts: VllmOptions, max_object_nbytes: int) -> Callable[[Sequence[str]], list[bool]] | None:
@@ -171,7 +171,7 @@ class AuxoutScheduler(Scheduler):
         self.auxout_options: VllmOptions = options_from_vllm_config(vllm_config)
         opts = self.auxout_options
         hash_block = self._auxout_hash_block_size(vllm_config)
-        keyspace = route_keyspace(vllm_config, opts, hash_block)
+        keyspace = route_keyspace(vllm_config, opts, hash_block)  # per DP rank, model fingerprint
         publisher = make_publisher(opts, hash_block, keyspace)
         kv_blocks = int(getattr(self.kv_cache_config, "num_blocks", 0)) * max(1, self.block_size // hash_block)
         self.auxout = SchedulerBridge(

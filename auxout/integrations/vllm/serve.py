@@ -61,7 +61,6 @@ def vllm_argv(argv: Sequence[str]) -> list[str]:
         "--worker-cls", kw["worker_cls"],
         "--additional-config", json.dumps(extra),
         "--enable-prefix-caching",
-        "--no-async-scheduling",
     ]  # fmt: skip
 
 

@@ -14,15 +14,18 @@ rides back to the scheduler in ``ModelRunnerOutput.aux_output_connector_output``
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 import numpy as np
-from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, AsyncModelRunnerOutput, ModelRunnerOutput
 from vllm.v1.worker.gpu_worker import Worker
 
+from auxout.integrations.vllm.async_output import RoutedAsyncOutput
 from auxout.integrations.vllm.capture import RouteCapture, bind_capture
 from auxout.integrations.vllm.config import route_keyspace
 from auxout.integrations.vllm.options import options_from_vllm_config
+from auxout.integrations.vllm.topology import RankRole, current_role, install_pipeline_rows
 from auxout.stores import make_store
 from auxout.worker_connector import PendingStep, WorkerConnector
 
@@ -47,15 +50,31 @@ class AuxoutWorkerMixin:
     vllm_config: Any
     model_runner: Any
     _auxout_capture: RouteCapture | None = None
+    _auxout_async_steps = 0  # steps whose routes were committed from an AsyncModelRunnerOutput
+    _auxout_role: RankRole = RankRole(captures=True, owns_routes=True, pp_size=1, last_stage=True)
     _auxout_connector: WorkerConnector | None = None
     _auxout_pending: tuple[PendingStep, list[str], dict[str, int], dict[str, list[int]]] | None = None
+    # Async scheduling resolves step outputs on the executor's output thread: connector calls lock.
+    _auxout_lock: threading.Lock = threading.Lock()
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)  # type: ignore[misc]
         sched = self.vllm_config.scheduler_config
-        self._auxout_capture = bind_capture(
-            self.model_runner.get_model(), self.vllm_config.model_config, sched.max_num_batched_tokens
+        role = self._auxout_role = current_role()
+        # every rank takes part (PP stages exchange their MoE layer ids), then only some keep it
+        capture: RouteCapture | None = bind_capture(
+            self.model_runner.get_model(), self.vllm_config.model_config, sched.max_num_batched_tokens, role.pp_size
         )
+        if not role.captures and capture is not None:  # TP rank > 0: the same ids as TP rank 0
+            capture.unbind()
+            capture = None
+        if role.pp_size > 1:  # stages forward their rows downstream with the hidden states
+            install_pipeline_rows(
+                self.model_runner,
+                capture.load_rows if capture is not None else None,
+                capture.rows_bytes if capture is not None and role.ships_rows else None,
+            )
+        self._auxout_capture = capture
 
     def initialize_from_config(self, kv_cache_config: Any) -> None:
         super().initialize_from_config(kv_cache_config)  # type: ignore[misc]
@@ -64,12 +83,10 @@ class AuxoutWorkerMixin:
     def _auxout_build_connector(self, kv_cache_config: Any) -> None:
         from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 
+        if not self._auxout_role.owns_routes:
+            return  # only the output rank keeps routes (see auxout.integrations.vllm.topology)
         if self._auxout_capture is None:
             raise RuntimeError("auxout: the KV cache was sized before the model was loaded")
-        if getattr(self, "rank", 0) != 0:
-            return  # only the output rank keeps routes (TP ranks > 0 just capture)
-        if self.vllm_config.scheduler_config.async_scheduling:
-            raise ValueError("auxout's vLLM worker commits routes per step: run with async_scheduling=False")
         if not self.vllm_config.cache_config.enable_prefix_caching:
             raise ValueError("auxout routes need prefix caching (enable_prefix_caching=True)")
         opts = options_from_vllm_config(self.vllm_config)
@@ -87,13 +104,15 @@ class AuxoutWorkerMixin:
         )
         if self._auxout_connector is not None:
             self._auxout_connector.close()
+        self._auxout_lock = threading.Lock()
         self._auxout_connector = WorkerConnector(
             profile,
             block_size=hash_block,
             store=store,
             max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens,
-            max_concurrent_batches=1,
+            # async scheduling: the next step is prepared before this one's output resolves
+            max_concurrent_batches=2 if sched.async_scheduling else 1,
             keyspace=route_keyspace(self.vllm_config, opts, hash_block),
         )
         logger.info(
@@ -105,7 +124,8 @@ class AuxoutWorkerMixin:
         conn = self._auxout_connector
         meta = getattr(scheduler_output, "aux_output_connector_metadata", None)
         if conn is not None:
-            conn.begin_step(meta)
+            with self._auxout_lock:
+                conn.begin_step(meta)
         output = super().execute_model(scheduler_output, *args, **kwargs)  # type: ignore[misc]
         if conn is None or meta is None or scheduler_output.total_num_scheduled_tokens == 0:
             return output
@@ -117,7 +137,8 @@ class AuxoutWorkerMixin:
         starts = batch.num_computed_tokens_cpu[:n].copy()
         assert self._auxout_capture is not None
         rows = self._auxout_capture.snapshot(int(qsl[-1]))
-        pending = conn.prepare_output(req_ids, starts, qsl, rows)
+        with self._auxout_lock:
+            pending = conn.prepare_output(req_ids, starts, qsl, rows)
         if pending is not None:
             self._auxout_pending = (
                 pending,
@@ -134,12 +155,21 @@ class AuxoutWorkerMixin:
         return self._auxout_finish(output)
 
     def _auxout_finish(self, output: Any) -> Any:
-        if self._auxout_pending is None:
+        step = self._auxout_pending
+        if step is None:
             return output
-        if not isinstance(output, ModelRunnerOutput) or output is EMPTY_MODEL_RUNNER_OUTPUT:
-            raise RuntimeError(f"auxout needs a synchronous ModelRunnerOutput, got {type(output).__name__}")
-        pending, req_ids, scheduled, spec = self._auxout_pending
         self._auxout_pending = None
+        if isinstance(output, AsyncModelRunnerOutput):  # async scheduling: commit when it resolves
+            self._auxout_async_steps += 1
+            return RoutedAsyncOutput(output, lambda resolved: self._auxout_commit(step, resolved))
+        return self._auxout_commit(step, output)
+
+    def _auxout_commit(
+        self, step: tuple[PendingStep, list[str], dict[str, int], dict[str, list[int]]], output: Any
+    ) -> Any:
+        if not isinstance(output, ModelRunnerOutput) or output is EMPTY_MODEL_RUNNER_OUTPUT:
+            raise RuntimeError(f"auxout needs the step's ModelRunnerOutput, got {type(output).__name__}")
+        pending, req_ids, scheduled, spec = step
         index = output.req_id_to_index
         sampled_ids = output.sampled_token_ids
         num_sampled = np.fromiter(
@@ -147,10 +177,25 @@ class AuxoutWorkerMixin:
         )
         rejected = num_rejected_tokens(req_ids, num_sampled, scheduled, spec)
         assert self._auxout_connector is not None
-        step = self._auxout_connector.process_output(pending, num_sampled, rejected)
+        with self._auxout_lock:
+            routes = self._auxout_connector.process_output(pending, num_sampled, rejected)
         # vLLM types the field as its own connector output; the scheduler bridge reads ours.
-        output.aux_output_connector_output = step  # type: ignore[assignment]
+        output.aux_output_connector_output = routes  # type: ignore[assignment]
         return output
+
+    def auxout_rank_state(self) -> dict[str, Any]:
+        """What this rank does for routes (``llm.collective_rpc("auxout_rank_state")``)."""
+        role, capture, conn = self._auxout_role, self._auxout_capture, self._auxout_connector
+        return {
+            "captures": capture is not None,
+            "columns": [] if capture is None else list(capture.columns),
+            "num_moe_layers": None if capture is None else capture.profile.num_layers,
+            "owns_routes": conn is not None,
+            "ships_rows": role.ships_rows,
+            "max_concurrent_batches": None if conn is None else conn.max_concurrent_batches,
+            "async_scheduling": bool(self.vllm_config.scheduler_config.async_scheduling),
+            "async_steps": self._auxout_async_steps,
+        }
 
     def shutdown(self) -> None:
         if self._auxout_connector is not None:

@@ -1,0 +1,71 @@
+"""``RouteCapture``'s two buffers: numpy on the host (CPU workers) and a torch tensor (GPU workers).
+
+The tensor path is what ``AuxoutGPUWorker`` runs on an accelerator; here it is forced on a CPU
+device so its capture (``copy_`` with a dtype narrowing), snapshot (a host copy that the next
+step cannot overwrite) and bounds checks run in CI. The routers are stand-ins exposing vLLM's
+``set_capture_fn`` hook: the capture buffer is the unit under test.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from auxout.errors import InvariantError
+from auxout.integrations.vllm.capture import RouteCapture
+from auxout.profile import RouteProfile
+
+pytestmark = pytest.mark.vllm
+
+
+class _Router:
+    def __init__(self) -> None:
+        self.fn: Any = None
+
+    def set_capture_fn(self, fn: Any) -> None:
+        self.fn = fn
+
+
+def _ids(rng: np.random.Generator, n: int, k: int, e: int) -> torch.Tensor:
+    return torch.from_numpy(np.stack([rng.choice(e, k, replace=False) for _ in range(n)]).astype(np.int32))
+
+
+@pytest.mark.parametrize("num_experts", [64, 512], ids=["uint8", "uint16"])
+@pytest.mark.parametrize("host_buffer", [True, False], ids=["numpy", "tensor"])
+def test_capture_and_snapshot(host_buffer, num_experts):
+    profile = RouteProfile(num_layers=3, top_k=4, num_experts=num_experts)
+    cap = RouteCapture(profile, max_tokens=32, device="cpu", host_buffer=host_buffer)
+    assert cap.on_host is host_buffer
+    assert isinstance(cap.buffer, torch.Tensor) and cap.buffer.dtype == (torch.uint8 if num_experts <= 256 else torch.uint16)
+    if not host_buffer:  # the tensor path owns its own buffer: numpy writes would not reach it
+        assert cap.buffer.data_ptr() != cap.host_buffer.ctypes.data
+    routers = [_Router() for _ in range(3)]
+    cap.bind(routers)
+    rng = np.random.default_rng(0)
+    step1 = [_ids(rng, 10, 4, num_experts) for _ in range(3)]
+    for r, ids in zip(routers, step1, strict=True):
+        r.fn(ids)
+    snap1 = cap.snapshot(10)
+    assert snap1.dtype == profile.dtype and snap1.shape == (10, 3, 4)
+    expected1 = torch.stack(step1, dim=1).numpy().astype(profile.dtype)
+    assert np.array_equal(snap1, expected1)
+    # the next step overwrites the buffer; the earlier snapshot must not change
+    step2 = [_ids(rng, 7, 4, num_experts) for _ in range(3)]
+    for r, ids in zip(routers, step2, strict=True):
+        r.fn(ids)
+    assert np.array_equal(snap1, expected1), "snapshot aliases the capture buffer"
+    assert np.array_equal(cap.snapshot(7), torch.stack(step2, dim=1).numpy().astype(profile.dtype))
+    with pytest.raises(InvariantError, match="routed 33 tokens"):
+        routers[1].fn(_ids(rng, 33, 4, num_experts))
+    with pytest.raises(InvariantError, match="exceeds capture buffer"):
+        cap.snapshot(33)
+    cap.unbind()
+    assert all(r.fn is None for r in routers)
+
+
+def test_numpy_buffer_cannot_live_on_a_device():
+    with pytest.raises(ValueError, match="numpy capture buffer lives on the host"):
+        RouteCapture(RouteProfile(2, 2, 8), 4, device="meta", host_buffer=True)
