@@ -234,6 +234,11 @@ def test_n_echo_logprobs_and_stop_strings(server, oracle):
     assert sorted(c["index"] for c in choices) == [0, 1]
     for c in choices:
         check(oracle, prompt + c["token_ids"], decode_routes(c), 0)
+    events = sse(server, "/v1/completions", body(server, prompt=prompt, max_tokens=6, n=2, temperature=1.0))
+    for index in (0, 1):
+        start, rows, _, out = stitched(events, index)
+        assert start == 0 and len(out) == 6
+        check(oracle, prompt + out, rows, 0)
     # a stop string cuts the output: the rows end with it
     free = server.post("/v1/completions", json=body(server, prompt=prompt, max_tokens=12)).json()["choices"][0]
     stop_at = free["text"][len(free["text"]) // 2 :][:3]

@@ -182,8 +182,8 @@ class RouteResponder:
                 else:
                     output_ids = list(o.token_ids)
                 delivered = delivered or o.routed_experts is not None
-                ok = delivered and o.finish_reason not in (None, "error", "abort") and prompt_ids is not None
-                if out.finished and ok:
+                ok = delivered and o.finish_reason not in (None, "error", "abort")
+                if out.finished and ok and prompt_ids is not None:
                     self.sessions.delivered(session, [*prompt_ids, *output_ids])
             yield out
 
