@@ -49,19 +49,38 @@ def pack_ids(ids: np.ndarray, bits: int) -> bytes:
     """Integer ids (< 2**bits, bits <= 16) as a big-endian bit stream, ``bits`` per id."""
     if not 1 <= bits <= 16:
         raise WireFormatError(f"bits must be in 1..16, got {bits}")
-    flat = np.ascontiguousarray(ids, dtype=">u2").reshape(-1)
+    flat = np.asarray(ids).reshape(-1)
     if flat.size and int(flat.max()) >> bits:
         raise WireFormatError(f"an id ({int(flat.max())}) does not fit {bits} bits")
-    all_bits = np.unpackbits(flat.view(np.uint8).reshape(-1, 2), axis=1)[:, 16 - bits :]
+    nbytes = (flat.size * bits + 7) // 8
+    if bits <= 8:  # 8 ids fill exactly ``bits`` bytes: one 64-bit word per group, vectorized
+        groups = np.zeros(-(-flat.size // 8) * 8, dtype=np.uint64)
+        groups[: flat.size] = flat
+        shifts = np.arange(7, -1, -1, dtype=np.uint64) * np.uint64(bits)
+        words = np.bitwise_or.reduce(groups.reshape(-1, 8) << shifts, axis=1)
+        return words.astype(">u8").view(np.uint8).reshape(-1, 8)[:, 8 - bits :].tobytes()[:nbytes]
+    wide = np.ascontiguousarray(flat, dtype=">u2")
+    all_bits = np.unpackbits(wide.view(np.uint8).reshape(-1, 2), axis=1)[:, 16 - bits :]
     return np.packbits(all_bits.reshape(-1)).tobytes()
 
 
 def unpack_ids(data: bytes, bits: int, count: int, dtype: np.dtype) -> np.ndarray:
-    """Inverse of :func:`pack_ids`: ``count`` ids of ``dtype`` (a 3-byte window per id, vectorized)."""
+    """Inverse of :func:`pack_ids`: ``count`` ids of ``dtype``."""
     if not 1 <= bits <= 16:
         raise WireFormatError(f"bits must be in 1..16, got {bits}")
     if len(data) * 8 < count * bits:
         raise WireFormatError(f"packed payload holds {len(data) * 8} bits, {count} ids of {bits} bits need {count * bits}")
+    if bits <= 8:
+        groups = -(-count // 8)
+        raw = np.zeros((groups, 8), dtype=np.uint8)
+        body = np.frombuffer(data, dtype=np.uint8)[: groups * bits]
+        padded = np.zeros(groups * bits, dtype=np.uint8)
+        padded[: body.size] = body
+        raw[:, 8 - bits :] = padded.reshape(groups, bits)
+        words = raw.view(">u8").reshape(groups, 1).astype(np.uint64)
+        shifts = np.arange(7, -1, -1, dtype=np.uint64) * np.uint64(bits)
+        ids = (words >> shifts) & np.uint64((1 << bits) - 1)
+        return ids.reshape(-1)[:count].astype(dtype)
     buf = np.frombuffer(bytes(data) + b"\0\0", dtype=np.uint8).astype(np.uint32)
     offset = np.arange(count, dtype=np.int64) * bits
     byte = offset >> 3

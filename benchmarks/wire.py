@@ -79,10 +79,15 @@ def run(name: str, routes: np.ndarray, experts: int, repeats: int) -> list[dict[
             rows = routes[first:end]
             if mode == "keys":
                 rows_out.append({"profile": name, "turn": turn + 1, "mode": mode, "format": "-",
-                                 "bytes": manifest_bytes(first, len(rows), routes.shape[1:]), "decode_us": 0.0})
+                                 "bytes": manifest_bytes(first, len(rows), routes.shape[1:]), "decode_us": 0.0,
+                                 "encode_us": 0.0})
                 continue
             for fmt in FORMATS:
-                fields = encode(rows, fmt, num_experts=experts)
+                enc = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    fields = encode(rows, fmt, num_experts=experts)
+                    enc.append(time.perf_counter() - t0)
                 times = []
                 for _ in range(repeats):
                     t0 = time.perf_counter()
@@ -90,7 +95,8 @@ def run(name: str, routes: np.ndarray, experts: int, repeats: int) -> list[dict[
                     times.append(time.perf_counter() - t0)
                 assert got is not None and np.array_equal(got, rows)
                 rows_out.append({"profile": name, "turn": turn + 1, "mode": mode, "format": fmt,
-                                 "bytes": payload_bytes(fields), "decode_us": statistics.median(times) * 1e6})
+                                 "bytes": payload_bytes(fields), "decode_us": statistics.median(times) * 1e6,
+                                 "encode_us": statistics.median(enc) * 1e6})
         prompt += GENERATED
     return rows_out
 
@@ -99,8 +105,8 @@ def summarize(results: list[dict[str, Any]]) -> None:
     for profile in dict.fromkeys(r["profile"] for r in results):
         sel = [r for r in results if r["profile"] == profile]
         base = sum(r["bytes"] for r in sel if r["mode"] == "full" and r["format"] == "npy")
-        print(f"\n## {profile}: 6 turns, bytes summed over turns (ratio to full+npy), client decode per turn")
-        print(f"{'mode':14s} {'format':8s} {'total bytes':>12s} {'ratio':>7s} {'turn-6 bytes':>12s} {'decode us (median/turn)':>24s}")
+        print(f"\n## {profile}: 6 turns, bytes summed over turns (ratio to full+npy), client decode and server encode per turn (medians)")
+        print(f"{'mode':14s} {'format':8s} {'total bytes':>12s} {'ratio':>7s} {'turn-6 bytes':>12s} {'decode us/turn':>15s} {'encode us/turn':>15s}")
         for mode in ("full", "prompt_start", "session", "keys"):
             for fmt in (*FORMATS, "-"):
                 part = [r for r in sel if r["mode"] == mode and r["format"] == fmt]
@@ -109,7 +115,8 @@ def summarize(results: list[dict[str, Any]]) -> None:
                 total = sum(r["bytes"] for r in part)
                 last = part[-1]["bytes"]
                 dec = statistics.median(r["decode_us"] for r in part)
-                print(f"{mode:14s} {fmt:8s} {total:12d} {total / base:7.3f} {last:12d} {dec:24.1f}")
+                enc = statistics.median(r["encode_us"] for r in part)
+                print(f"{mode:14s} {fmt:8s} {total:12d} {total / base:7.3f} {last:12d} {dec:15.1f} {enc:15.1f}")
 
 
 def main() -> None:

@@ -103,3 +103,15 @@ def test_encode_rejects_ids_that_do_not_fit() -> None:
         encode(np.array([[[17]]], dtype=np.uint8), "packed", num_experts=16)
     with pytest.raises(WireFormatError, match="unknown format"):
         encode(np.zeros((1, 1, 1), np.uint8), "json")
+
+
+@given(st.integers(1, 16), st.integers(0, 70), st.integers(0, 2**32 - 1))
+def test_pack_matches_a_bit_by_bit_reference(bits: int, count: int, seed: int) -> None:
+    from auxout.wire import pack_ids, unpack_ids
+
+    ids = np.random.default_rng(seed).integers(0, 1 << bits, size=count).astype(np.uint16)
+    stream = "".join(format(int(v), f"0{bits}b") for v in ids)
+    stream += "0" * (-len(stream) % 8)
+    expected = bytes(int(stream[i : i + 8], 2) for i in range(0, len(stream), 8))
+    assert pack_ids(ids, bits) == expected
+    np.testing.assert_array_equal(unpack_ids(expected, bits, count, np.dtype(np.uint16)), ids)

@@ -241,15 +241,17 @@ def test_n_echo_logprobs_and_stop_strings(server, oracle):
         check(oracle, prompt + out, rows, 0)
     # a stop string cuts the output: the rows end with it
     free = server.post("/v1/completions", json=body(server, prompt=prompt, max_tokens=12)).json()["choices"][0]
-    stop_at = free["text"][len(free["text"]) // 2 :][:3]
-    if stop_at.strip():
-        r2 = server.post("/v1/completions", json=body(server, prompt=prompt, max_tokens=12, stop=[stop_at])).json()
-        c2 = r2["choices"][0]
-        assert len(c2["token_ids"]) < 12
-        check(oracle, prompt + c2["token_ids"], decode_routes(c2), 0)
-        events = sse(server, "/v1/completions", body(server, prompt=prompt, max_tokens=12, stop=[stop_at]))
-        _, rows, _, out = stitched(events)
-        check(oracle, prompt + out, rows, 0)
+    words = [w for w in free["text"][len(free["text"]) // 2 :].split() if len(w) >= 2]
+    assert words, f"no word to stop at in {free['text']!r}"
+    stop_at = words[0][:2]
+    r2 = server.post("/v1/completions", json=body(server, prompt=prompt, max_tokens=12, stop=[stop_at])).json()
+    c2 = r2["choices"][0]
+    assert len(c2["token_ids"]) < 12 and c2["finish_reason"] == "stop"
+    check(oracle, prompt + c2["token_ids"], decode_routes(c2), 0)
+    events = sse(server, "/v1/completions", body(server, prompt=prompt, max_tokens=12, stop=[stop_at]))
+    _, rows, _, out = stitched(events)
+    assert out == c2["token_ids"]
+    check(oracle, prompt + out, rows, 0)
 
 
 def test_keys_only_over_http_returns_a_manifest(server, oracle):
