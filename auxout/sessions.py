@@ -14,7 +14,9 @@ Semantics a client relies on:
   and ``max_tokens`` tokens in all; a session that expired, or any session after a server
   restart, simply starts at 0 again (the full history): nothing is ever silently missing;
 - the session advances only when a request finishes with routes (errors, aborts and
-  disconnected streams leave it where it was).
+  disconnected streams leave it where it was);
+- sessions belong to one API-server process: with several (``--api-server-count``), send a
+  session's turns to the same one, or use ``routed_experts_prompt_start``.
 """
 
 from __future__ import annotations

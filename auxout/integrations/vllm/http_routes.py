@@ -46,7 +46,7 @@ MAX_SESSION_ID_CHARS = 256
 
 
 def check_route_fields(extra: dict[str, Any], *, n: int, prompt_start: int, use_beam_search: bool,
-                       options: VllmOptions, output_flag: object) -> dict[str, Any]:
+                       options: VllmOptions, output_flag: object, num_prompts: int = 1) -> dict[str, Any]:
     """The auxout HTTP fields of one request, checked; raises ``ValueError(field, message)`` on a bad one."""
     fields: dict[str, Any] = {}
     fmt = extra.get(FORMAT_FIELD, DEFAULT_FORMAT)
@@ -58,8 +58,9 @@ def check_route_fields(extra: dict[str, Any], *, n: int, prompt_start: int, use_
         if not isinstance(session, str) or not 0 < len(session) <= MAX_SESSION_ID_CHARS:
             raise _FieldError(SESSION_FIELD, f"{SESSION_FIELD} must be a non-empty string of at most "
                               f"{MAX_SESSION_ID_CHARS} characters, got {session!r:.80}")
-        if n != 1 or use_beam_search:
-            raise _FieldError(SESSION_FIELD, f"{SESSION_FIELD} needs n=1 without beam search (one history per session)")
+        if n != 1 or use_beam_search or num_prompts != 1:
+            raise _FieldError(SESSION_FIELD, f"{SESSION_FIELD} needs one prompt, n=1 and no beam search "
+                              "(one history per session)")
         if prompt_start:
             raise _FieldError(SESSION_FIELD, f"{SESSION_FIELD} and routed_experts_prompt_start are exclusive: "
                               "the session decides where routes start")
@@ -151,6 +152,7 @@ class RouteResponder:
                 use_beam_search=bool(getattr(request, "use_beam_search", False)),
                 options=self.options,
                 output_flag=extra_args.get(OUTPUT_FLAG),
+                num_prompts=_num_prompts(getattr(request, "prompt", None)),
             )
         except _FieldError as exc:
             raise VLLMValidationError(str(exc), parameter=exc.field, value=extra_fields.get(exc.field)) from None
@@ -232,6 +234,13 @@ class RouteResponder:
                     choice.update(self.route_fields(rows, first, fmt, manifest))
                     changed = True
             yield f"data: {json.dumps(data, separators=(',', ':'))}\n\n" if changed else line
+
+
+def _num_prompts(prompt: Any) -> int:
+    """Prompts in a completions request's ``prompt`` (a text, a token list, or a list of either)."""
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        return len(prompt)
+    return 1
 
 
 def _fmt(request: Any) -> str:
