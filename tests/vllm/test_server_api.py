@@ -264,6 +264,13 @@ def test_keys_only_over_http_returns_a_manifest(server, oracle):
     manifest = RouteManifest.from_dict(c["routed_experts_manifest"])
     assert manifest.store.startswith("redis://")
     check(oracle, prompt + c["token_ids"], fetch(manifest), 0)
+    events = sse(server, "/v1/completions", body(
+        server, prompt=prompt, max_tokens=5, vllm_xargs={"routed_experts_output": "keys"}))
+    finals = [c for e in events for c in e["choices"] if c.get("finish_reason")]
+    assert len(finals) == 1 and not any(c.get("routed_experts") for e in events for c in e["choices"])
+    streamed = fetch(RouteManifest.from_dict(finals[0]["routed_experts_manifest"]))
+    out = [t for e in events for c in e["choices"] for t in (c.get("token_ids") or [])]
+    check(oracle, prompt + out, streamed, 0)
 
 
 @pytest.mark.parametrize(
