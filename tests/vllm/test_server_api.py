@@ -54,7 +54,7 @@ def server(model_path: str, tmp_path_factory: pytest.TempPathFactory):
         with open(log, "wb") as fh:
             proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + 480
         try:
             while True:
                 if proc.poll() is not None:
@@ -65,7 +65,7 @@ def server(model_path: str, tmp_path_factory: pytest.TempPathFactory):
                 except httpx.HTTPError:
                     pass
                 if time.monotonic() > deadline:
-                    pytest.fail(f"server not ready in 300 s:\n{log.read_text()[-4000:]}")
+                    pytest.fail(f"server not ready in 480 s:\n{log.read_text()[-4000:]}")
                 time.sleep(1)
             with httpx.Client(base_url=base, timeout=120) as client:
                 client.model_path = model_path  # type: ignore[attr-defined]
