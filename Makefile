@@ -38,6 +38,7 @@ bench: install
 	$(PY) benchmarks/dataplane.py
 	$(PY) benchmarks/stores.py
 	$(PY) benchmarks/engine_overhead.py
+	$(PY) benchmarks/wire.py
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .mypy_cache .ruff_cache .hypothesis

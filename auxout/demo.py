@@ -199,6 +199,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"tokens              {on.prompt_tokens} prompt, {on.generated_tokens} generated")
     print(f"cached tokens       {on.cached_tokens} reused from the prefix cache (routes served from the store)")
     print(f"route bytes         {nbytes} written to {args.out}/ ({len(convs)} .npz + manifest.json)")
+    from transformers import AutoTokenizer
+
+    text = AutoTokenizer.from_pretrained(path).decode(convs[0].tokens[-args.max_tokens :])
+    print(f"last turn's text    {text[:100]!r} (conversation 0; random weights, so gibberish)")
     print(f"mismatches          {bad} of {total} (token, layer) routes vs transformers full forward")
     print(f"throughput on       {on.generated_tokens / on.seconds:.1f} generated tok/s ({tok_s:.1f} computed tok/s)")
     if off is not None:

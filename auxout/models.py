@@ -1,4 +1,4 @@
-"""Tiny randomly initialised MoE checkpoints, built from a config alone (no hub, no tokenizer).
+"""Tiny randomly initialised MoE checkpoints, built from a config alone (no hub), with a local tokenizer.
 
 Tests, the demo and benchmarks need real MoE models that both transformers and vLLM load. A
 random model is enough to check routes bit for bit, as long as routing is not near-uniform:
@@ -16,13 +16,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from auxout.tiny_tokenizer import write_tokenizer
+
 HIDDEN = 64
 HEADS = 2
 HEAD_DIM = 32
 VOCAB = 1024
 MAX_POSITIONS = 2048
 COMPLETE_MARKER = ".auxout-complete"
-FORMAT_VERSION = 3  # bump when a config changes: cached checkpoints of older versions are rebuilt
+FORMAT_VERSION = 4  # bump when a config changes: cached checkpoints of older versions are rebuilt
 
 
 def _common(layers: int) -> dict[str, Any]:
@@ -125,7 +127,7 @@ def default_cache_dir() -> Path:
 
 
 def _is_complete(path: Path, arch: str, seed: int) -> bool:
-    if not all((path / name).is_file() for name in ("config.json", "model.safetensors", COMPLETE_MARKER)):
+    if not all((path / name).is_file() for name in ("config.json", "model.safetensors", "tokenizer.json", COMPLETE_MARKER)):
         return False
     try:
         marker = json.loads((path / COMPLETE_MARKER).read_text())
@@ -137,8 +139,9 @@ def _is_complete(path: Path, arch: str, seed: int) -> bool:
 def build_tiny_moe(arch: str = "qwen3_moe", *, seed: int = 0, path: str | os.PathLike[str] | None = None) -> str:
     """Write (or reuse) a tiny random ``arch`` checkpoint, deterministic from ``seed``; return its directory.
 
-    The directory holds ``config.json`` and ``model.safetensors`` only: vLLM must run it with
-    ``skip_tokenizer_init=True`` and token-id prompts.
+    The directory holds ``config.json``, ``model.safetensors`` and a byte-level BPE tokenizer with a
+    chat template covering the whole vocabulary (:mod:`auxout.tiny_tokenizer`), so vLLM serves it
+    with text, chat and token-id prompts alike.
     """
     if arch not in ARCHS:
         raise ValueError(f"unknown tiny MoE arch {arch!r}; choose one of {sorted(ARCHS)}")
@@ -163,6 +166,7 @@ def build_tiny_moe(arch: str = "qwen3_moe", *, seed: int = 0, path: str | os.Pat
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
         model.save_pretrained(tmp, safe_serialization=True)
+        write_tokenizer(tmp, cfg.vocab_size)
         (tmp / COMPLETE_MARKER).write_text(json.dumps({"arch": arch, "seed": seed, "version": FORMAT_VERSION}))
         if _is_complete(out, arch, seed):  # another process won the race: keep its copy
             return str(out)

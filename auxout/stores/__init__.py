@@ -18,6 +18,8 @@ __all__ = [
     "MooncakeStore",
     "RedisStore",
     "SharedMemoryStore",
+    "STORE_OPTIONS",
+    "check_store_options",
     "make_store",
     "sweep_stale",
 ]
@@ -41,6 +43,28 @@ def __getattr__(name: str) -> Any:
 
 INLINE_BELOW_BYTES = 512 * 1024
 """Batches below this size go straight into an in-memory store when its writer thread is idle."""
+
+
+STORE_OPTIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "arena": ((), ("policy",)),
+    "shm": ((), ("shm_name",)),
+    "redis": (("url", "namespace"), ("ttl", "timeout")),
+    "mooncake": (("master_addr",), ()),
+}
+"""Per backend, the ``make_store`` keyword options it requires and the ones it accepts besides."""
+
+
+def check_store_options(name: str, options: dict[str, Any]) -> None:
+    """Raise ``ValueError`` naming a missing or unknown option before any store (or engine) starts."""
+    if name not in STORE_OPTIONS:
+        raise ValueError(f"unknown route store backend {name!r}; known: {sorted(STORE_OPTIONS)}")
+    required, optional = STORE_OPTIONS[name]
+    missing = [key for key in required if key not in options]
+    if missing:
+        raise ValueError(f"store {name!r} needs store option(s) {missing} (required: {list(required)})")
+    unknown = sorted(set(options) - set(required) - set(optional))
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown} for store {name!r}; known: {sorted(required + optional)}")
 
 
 def make_store(name: str, *, max_bytes: int, object_nbytes: int, background: bool = True, **kw: Any) -> BlockStore:

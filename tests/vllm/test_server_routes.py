@@ -1,7 +1,7 @@
 """``auxout serve``: routes over HTTP equal the oracle; bad route options get a 4xx and the server lives on.
 
 The server is a real subprocess (``python -m auxout.cli serve``) on 127.0.0.1 and a free port,
-with the third architecture (OLMoE).
+with the third architecture (OLMoE), its tokenizer loaded: token-id prompts work beside text.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def server(model_path: str, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("server") / "server.log"
     cmd = [
         sys.executable, "-m", "auxout.cli", "serve", model_path,
-        "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--dtype", "float32",
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
         "--enforce-eager", "--block-size", "32", "--max-model-len", "512", "--max-num-batched-tokens", "64",
         "--enable-prompt-tokens-details", "--seed", "0",
     ]  # fmt: skip
@@ -144,6 +144,7 @@ def test_opt_out_over_http(server, oracle):
         ({"routed_experts_prompt_start": 1.5}, "routed_experts_prompt_start"),
         ({"vllm_xargs": {"return_routed_experts": "no"}}, "return_routed_experts"),
         ({"vllm_xargs": {"routed_experts_output": "bogus"}}, "routed_experts_output"),
+        ({"vllm_xargs": {"routed_experts_output": "keys"}}, "routed_experts_output"),  # arena: no shared store
     ],
 )
 def test_bad_route_options_get_4xx_and_server_keeps_serving(server, oracle, extra, needle):

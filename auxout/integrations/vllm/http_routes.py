@@ -1,0 +1,392 @@
+"""Routes in vLLM's OpenAI server: formats, streaming rows, session deltas, per-request checks.
+
+vLLM's server writes ``choices[i].routed_experts`` (an ``.npy`` in base64) on finished
+non-streaming responses only. This module, installed in the API-server process by
+``auxout serve``, adds what an agent loop needs on ``/v1/completions`` and
+``/v1/chat/completions``:
+
+- ``routed_experts_format``: ``"npy"`` | ``"sglang"`` | ``"packed"`` (:mod:`auxout.wire`); every
+  choice states ``routed_experts_format``/``_dtype``/``_shape`` (+ ``_bits``) and
+  ``routed_experts_start``, the position of its first row;
+- streaming: each chunk carries the rows for the positions its tokens newly cover (rows arrive
+  per engine step for streamed requests); concatenating the chunks of a choice gives exactly the
+  non-streaming array;
+- ``routed_experts_session``: only rows the client does not hold yet (:mod:`auxout.sessions`);
+- keys-only output: the route manifest of each choice as ``routed_experts_manifest``.
+
+The hooks wrap, without copying, five vLLM methods: the two requests' ``to_sampling_params``
+(check the new fields, 400 naming the field), ``AsyncLLM.generate`` (session start, per-step row
+access) and the serving classes' response builders (encode rows into the response).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import numpy as np
+
+from auxout.integrations.vllm.options import MANIFEST_FIELD, OUTPUT_FLAG, SHARED_STORES, VllmOptions
+from auxout.sessions import SessionStore
+from auxout.wire import DEFAULT_FORMAT, FORMATS, encode
+
+logger = logging.getLogger("auxout.vllm")
+
+FORMAT_FIELD = "routed_experts_format"
+SESSION_FIELD = "routed_experts_session"
+WEIGHTS_FIELD = "return_routing_weights"
+START_FIELD = "routed_experts_start"
+MANIFEST_OUT_FIELD = "routed_experts_manifest"
+_PARAMS_KEY = "auxout_http"
+"""``SamplingParams.extra_args`` key carrying the checked HTTP fields from the request to ``generate``."""
+MAX_SESSION_ID_CHARS = 256
+
+
+def check_route_fields(extra: dict[str, Any], *, n: int, prompt_start: int, use_beam_search: bool,
+                       options: VllmOptions, output_flag: object, num_prompts: int = 1) -> dict[str, Any]:
+    """The auxout HTTP fields of one request, checked; raises ``ValueError(field, message)`` on a bad one."""
+    fields: dict[str, Any] = {}
+    fmt = extra.get(FORMAT_FIELD, DEFAULT_FORMAT)
+    if not isinstance(fmt, str) or fmt not in FORMATS:
+        raise _FieldError(FORMAT_FIELD, f"{FORMAT_FIELD} must be one of {list(FORMATS)}, got {fmt!r}")
+    fields["format"] = fmt
+    session = extra.get(SESSION_FIELD)
+    if session is not None:
+        if not isinstance(session, str) or not 0 < len(session) <= MAX_SESSION_ID_CHARS:
+            raise _FieldError(SESSION_FIELD, f"{SESSION_FIELD} must be a non-empty string of at most "
+                              f"{MAX_SESSION_ID_CHARS} characters, got {session!r:.80}")
+        if n != 1 or use_beam_search or num_prompts != 1:
+            raise _FieldError(SESSION_FIELD, f"{SESSION_FIELD} needs one prompt, n=1 and no beam search "
+                              "(one history per session)")
+        if prompt_start:
+            raise _FieldError(SESSION_FIELD, f"{SESSION_FIELD} and routed_experts_prompt_start are exclusive: "
+                              "the session decides where routes start")
+        fields["session"] = session
+    weights = extra.get(WEIGHTS_FIELD, False)
+    if not isinstance(weights, bool):
+        raise _FieldError(WEIGHTS_FIELD, f"{WEIGHTS_FIELD} must be a boolean, got {weights!r}")
+    if weights:
+        raise _FieldError(WEIGHTS_FIELD, f"{WEIGHTS_FIELD} is not available on this server yet: "
+                          "vLLM's router capture hands auxout expert ids only")
+    if output_flag == "keys" and options.store not in SHARED_STORES:
+        raise _FieldError(OUTPUT_FLAG, f"{OUTPUT_FLAG}='keys' needs a server started with a shared store "
+                          f"(--auxout-store {' or '.join(SHARED_STORES)}); this one uses {options.store!r}")
+    return fields
+
+
+class _FieldError(ValueError):
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class ChoiceRows:
+    """Rows of one streamed choice: arrive per engine step, leave as the choice's tokens cover them."""
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+        self.delivered = 0
+        self.tokens = 0  # prompt + output tokens the engine has produced for this choice so far
+        self.pending: np.ndarray | None = None
+        self.chunks: list[np.ndarray] | None = None  # vLLM's per-step list for this request (appended to)
+        self.consumed = 0
+        self.final: np.ndarray | None = None
+        self.manifest: Any = None
+
+    def observe(self, output: Any, prompt_len: int | None) -> None:
+        if prompt_len is not None and self.tokens == 0:
+            self.tokens = prompt_len
+        self.tokens += len(output.token_ids)
+        chunks = getattr(output, "auxout_chunks", None)
+        if chunks is not None:
+            self.chunks = chunks
+        if output.routed_experts is not None:  # finished: the whole array, from ``start``
+            self.final = output.routed_experts
+
+    def _pull(self) -> None:
+        if self.final is not None:
+            self.pending = self.final[self.delivered :]
+            return
+        if self.chunks is None or len(self.chunks) <= self.consumed:
+            return
+        new = self.chunks[self.consumed :]
+        self.consumed += len(new)
+        parts = ([self.pending] if self.pending is not None else []) + list(new)
+        self.pending = np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+    def take(self, finished: bool) -> tuple[int, np.ndarray] | None:
+        """``(first position, rows)`` newly covered, or None when the choice carries no routes."""
+        self._pull()
+        if self.pending is None:
+            return None
+        covered = len(self.pending) if finished else max(self.tokens - 1 - self.start - self.delivered, 0)
+        rows = self.pending[:covered]
+        self.pending = self.pending[covered:]
+        first = self.start + self.delivered
+        self.delivered += len(rows)
+        return first, rows
+
+
+class RouteResponder:
+    """Server-wide state and hooks (one per API-server process)."""
+
+    def __init__(self, options: VllmOptions, *, max_sessions: int = 4096, max_session_tokens: int = 1 << 26) -> None:
+        self.options = options
+        self.sessions = SessionStore(max_sessions, max_session_tokens)
+        self.num_experts: int | None = None
+
+    # -- request side -------------------------------------------------------------------------
+    def checked_params(self, request: Any, params: Any) -> Any:
+        from vllm.exceptions import VLLMValidationError
+
+        extra_fields = dict(getattr(request, "model_extra", None) or {})
+        extra_args = params.extra_args or {}
+        try:
+            fields = check_route_fields(
+                extra_fields,
+                n=int(getattr(params, "n", 1) or 1),
+                prompt_start=int(getattr(params, "routed_experts_prompt_start", 0) or 0),
+                use_beam_search=bool(getattr(request, "use_beam_search", False)),
+                options=self.options,
+                output_flag=extra_args.get(OUTPUT_FLAG),
+                num_prompts=_num_prompts(getattr(request, "prompt", None)),
+            )
+        except _FieldError as exc:
+            raise VLLMValidationError(str(exc), parameter=exc.field, value=extra_fields.get(exc.field)) from None
+        params.extra_args = {**extra_args, _PARAMS_KEY: fields}
+        return params
+
+    # -- engine side --------------------------------------------------------------------------
+    async def generate(self, engine: Any, original: Callable[..., AsyncIterator[Any]], prompt: Any,
+                       sampling_params: Any, request_id: str, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        fields = (getattr(sampling_params, "extra_args", None) or {}).get(_PARAMS_KEY) or {}
+        session = fields.get("session")
+        prompt_ids = _prompt_token_ids(prompt)
+        if session is not None and prompt_ids is not None:
+            sampling_params.routed_experts_prompt_start = self.sessions.start_for(session, prompt_ids)
+        start = int(getattr(sampling_params, "routed_experts_prompt_start", 0) or 0)
+        output_ids: list[int] = []
+        delivered = False
+        async for out in original(engine, prompt, sampling_params, request_id, *args, **kwargs):
+            out.auxout_route_start = start
+            states = _request_states(engine, request_id)
+            for o in out.outputs:
+                state = states.get(o.index)
+                if state is not None:
+                    o.auxout_chunks = state.routed_experts_chunks
+            if session is not None and out.outputs:
+                o = out.outputs[0]
+                if _is_delta(sampling_params):
+                    output_ids.extend(o.token_ids)
+                else:
+                    output_ids = list(o.token_ids)
+                delivered = delivered or o.routed_experts is not None
+                ok = delivered and o.finish_reason not in (None, "error", "abort")
+                if out.finished and ok and prompt_ids is not None:
+                    self.sessions.delivered(session, [*prompt_ids, *output_ids])
+            yield out
+
+    # -- response side ------------------------------------------------------------------------
+    def route_fields(self, rows: np.ndarray | None, start: int, fmt: str, manifest: Any = None) -> dict[str, Any]:
+        fields: dict[str, Any] = {}
+        if rows is not None:
+            fields = encode(rows, fmt, num_experts=self.num_experts)
+            fields[START_FIELD] = start
+        if manifest is not None:
+            fields[MANIFEST_OUT_FIELD] = manifest
+        return fields
+
+    def decorate_choices(self, response: Any, request: Any, found: dict[int, tuple[Any, Any]]) -> Any:
+        """Replace vLLM's ``routed_experts`` of each non-streamed choice with the requested encoding."""
+        fmt = _fmt(request)
+        for choice in getattr(response, "choices", None) or []:
+            hit = found.get(choice.index)
+            if hit is None:
+                continue
+            res, output = hit
+            manifest = (getattr(res, "kv_transfer_params", None) or {}).get(MANIFEST_FIELD)
+            fields = self.route_fields(output.routed_experts, getattr(res, "auxout_route_start", 0), fmt, manifest)
+            for key, value in fields.items():
+                setattr(choice, key, value)
+        return response
+
+    async def decorate_stream(self, lines: AsyncIterator[str], trackers: dict[int, ChoiceRows],
+                              request: Any) -> AsyncIterator[str]:
+        fmt = _fmt(request)
+        async for line in lines:
+            if not line.startswith("data: {") or not trackers:
+                yield line
+                continue
+            data = json.loads(line[6:])
+            changed = False
+            for choice in data.get("choices") or []:
+                tracker = trackers.get(choice.get("index"))
+                if tracker is None:
+                    continue
+                finished = choice.get("finish_reason") is not None
+                taken = tracker.take(finished)
+                manifest = tracker.manifest if finished else None
+                if taken is not None or manifest is not None:
+                    first, rows = taken if taken is not None else (0, None)
+                    choice.update(self.route_fields(rows, first, fmt, manifest))
+                    changed = True
+            yield f"data: {json.dumps(data, separators=(',', ':'))}\n\n" if changed else line
+
+
+def _num_prompts(prompt: Any) -> int:
+    """Prompts in a completions request's ``prompt`` (a text, a token list, or a list of either)."""
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        return len(prompt)
+    return 1
+
+
+def _fmt(request: Any) -> str:
+    return str((getattr(request, "model_extra", None) or {}).get(FORMAT_FIELD, DEFAULT_FORMAT))
+
+
+def _is_delta(params: Any) -> bool:
+    from vllm.sampling_params import RequestOutputKind
+
+    return bool(params.output_kind == RequestOutputKind.DELTA)
+
+
+def _prompt_token_ids(prompt: Any) -> list[int] | None:
+    if isinstance(prompt, dict):
+        target = prompt.get("decoder_prompt", prompt) if "decoder_prompt" in prompt else prompt
+        ids = target.get("prompt_token_ids") if isinstance(target, dict) else None
+        return list(ids) if ids is not None else None
+    return None
+
+
+def _request_states(engine: Any, request_id: str) -> dict[int, Any]:
+    """vLLM's output-processor states of a request's choices, by choice index (the per-step row lists)."""
+    processor = getattr(engine, "output_processor", None)
+    if processor is None:
+        return {}
+    internal = processor.external_req_ids.get(request_id, ())
+    states = {}
+    for iid in internal:
+        state = processor.request_states.get(iid)
+        if state is not None:
+            states[state.request_index] = state
+    return states
+
+
+async def _tap(results: AsyncIterator[Any], trackers: dict[int, ChoiceRows], num_choices: int,
+               prompt_lens: dict[int, int], indexed: bool) -> AsyncIterator[Any]:
+    """Pass the engine's results through, updating each choice's row tracker on the way."""
+    async for item in results:
+        prompt_idx, res = item if indexed else (0, item)
+        if res.prompt_token_ids is not None:
+            prompt_lens.setdefault(prompt_idx, len(res.prompt_token_ids))
+        start = getattr(res, "auxout_route_start", 0)
+        for output in res.outputs:
+            i = output.index + prompt_idx * num_choices
+            tracker = trackers.get(i)
+            if tracker is None:
+                tracker = trackers[i] = ChoiceRows(start)
+                tracker.tokens = prompt_lens.get(prompt_idx, 0)
+            tracker.observe(output, None)
+            if res.finished:
+                tracker.manifest = (res.kv_transfer_params or {}).get(MANIFEST_FIELD)
+        yield item
+
+
+_INSTALLED: RouteResponder | None = None
+
+
+def install(options: VllmOptions, *, max_sessions: int = 4096, max_session_tokens: int = 1 << 26) -> RouteResponder:
+    """Wrap vLLM's server methods (API-server process only; idempotent: the latest options win)."""
+    global _INSTALLED
+    if _INSTALLED is not None:
+        _INSTALLED.options = options
+        return _INSTALLED
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    responder = RouteResponder(options, max_sessions=max_sessions, max_session_tokens=max_session_tokens)
+
+    for cls in (CompletionRequest, ChatCompletionRequest):
+        original_params = cls.to_sampling_params
+
+        @functools.wraps(original_params)
+        def to_sampling_params(self: Any, *args: Any, __orig: Any = original_params, **kwargs: Any) -> Any:
+            return responder.checked_params(self, __orig(self, *args, **kwargs))
+
+        cls.to_sampling_params = to_sampling_params  # type: ignore[method-assign]
+
+    original_generate = AsyncLLM.generate
+
+    @functools.wraps(original_generate)
+    def generate(self: Any, prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any) -> Any:
+        return responder.generate(self, original_generate, prompt, sampling_params, request_id, *args, **kwargs)
+
+    AsyncLLM.generate = generate  # type: ignore[method-assign]
+
+    def _experts(serving: Any) -> None:
+        if responder.num_experts is None:
+            responder.num_experts = int(serving.model_config.get_num_experts())
+
+    original_cmpl = OpenAIServingCompletion.request_output_to_completion_response
+
+    @functools.wraps(original_cmpl)
+    def cmpl_response(self: Any, final_res_batch: list[Any], request: Any, *args: Any, **kwargs: Any) -> Any:
+        _experts(self)
+        response = original_cmpl(self, final_res_batch, request, *args, **kwargs)
+        n = request.n or 1
+        found = {o.index + p * n: (res, o) for p, res in enumerate(final_res_batch) for o in res.outputs}
+        return responder.decorate_choices(response, request, found)
+
+    OpenAIServingCompletion.request_output_to_completion_response = cmpl_response  # type: ignore[method-assign]
+
+    original_cmpl_stream = OpenAIServingCompletion.completion_stream_generator
+
+    @functools.wraps(original_cmpl_stream)
+    def cmpl_stream(self: Any, request: Any, engine_inputs: Any, result_generator: Any, *args: Any, **kwargs: Any) -> Any:
+        _experts(self)
+        trackers: dict[int, ChoiceRows] = {}
+        tapped = _tap(result_generator, trackers, request.n or 1, {}, indexed=True)
+        lines = original_cmpl_stream(self, request, engine_inputs, tapped, *args, **kwargs)
+        return responder.decorate_stream(lines, trackers, request)
+
+    OpenAIServingCompletion.completion_stream_generator = cmpl_stream  # type: ignore[method-assign]
+
+    original_chat_full = OpenAIServingChat.chat_completion_full_generator
+
+    @functools.wraps(original_chat_full)
+    async def chat_full(self: Any, request: Any, result_generator: Any, *args: Any, **kwargs: Any) -> Any:
+        _experts(self)
+        last: list[Any] = []
+
+        async def keep_last(results: AsyncIterator[Any]) -> AsyncIterator[Any]:
+            async for res in results:
+                last[:] = [res]
+                yield res
+
+        response = await original_chat_full(self, request, keep_last(result_generator), *args, **kwargs)
+        if last and hasattr(response, "choices"):
+            found = {o.index: (last[0], o) for o in last[0].outputs}
+            responder.decorate_choices(response, request, found)
+        return response
+
+    OpenAIServingChat.chat_completion_full_generator = chat_full  # type: ignore[method-assign]
+
+    original_chat_stream = OpenAIServingChat.chat_completion_stream_generator
+
+    @functools.wraps(original_chat_stream)
+    def chat_stream(self: Any, request: Any, result_generator: Any, *args: Any, **kwargs: Any) -> Any:
+        _experts(self)
+        trackers: dict[int, ChoiceRows] = {}
+        tapped = _tap(result_generator, trackers, request.n or 1, {}, indexed=False)
+        lines = original_chat_stream(self, request, tapped, *args, **kwargs)
+        return responder.decorate_stream(lines, trackers, request)
+
+    OpenAIServingChat.chat_completion_stream_generator = chat_stream  # type: ignore[method-assign]
+    _INSTALLED = responder
+    return responder

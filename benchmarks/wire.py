@@ -1,0 +1,136 @@
+"""Bytes on the wire and client decode time per turn of a 6-turn agent conversation, per mode and format.
+
+The conversation: each turn adds 64 tokens of new text to the prompt and generates 256. Modes:
+``full`` (every response carries the whole history's routes), ``prompt_start`` (the client
+states where its rows end), ``session`` (the server remembers: same rows as prompt_start, no
+client bookkeeping), ``keys`` (a route manifest; the rows stay in the store). Each inline mode is
+measured in every wire format of :mod:`auxout.wire` (the base64 text the response carries, plus
+its metadata fields). Profiles: the tiny Qwen3-MoE test model (2 MoE layers, top-4 of 16) with
+the routes transformers computes for it, and a Qwen3-30B-A3B shape (48 layers, top-8 of 128) on
+synthetic uniform routes (the worst case for compression). The baseline for every ratio is
+``full`` + ``npy`` (what vLLM returns today), measured in the same run.
+
+    python benchmarks/wire.py [--repeats 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+from auxout.manifest import RouteManifest
+from auxout.wire import FORMATS, decode_routes, encode
+
+TURNS = 6
+NEW_TEXT = 64
+GENERATED = 256
+BLOCK = 16
+
+
+def tiny_routes(total: int) -> tuple[np.ndarray, int]:
+    """Routes of the tiny Qwen3-MoE test model over ``total`` tokens (transformers full forward)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from auxout.hf import capture_routes
+    from auxout.models import build_tiny_moe
+
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_moe("qwen3_moe"), dtype=torch.float32).eval()
+    tokens = np.random.default_rng(0).integers(3, 1000, size=total).tolist()
+    return capture_routes(model, tokens), 16
+
+
+def synthetic_routes(total: int, layers: int = 48, top_k: int = 8, experts: int = 128) -> tuple[np.ndarray, int]:
+    rng = np.random.default_rng(1)
+    ids = np.argsort(rng.random((total, layers, experts), dtype=np.float32), axis=-1)[..., :top_k]
+    return ids.astype(np.uint8), experts
+
+
+def manifest_bytes(start: int, num_rows: int, shape: tuple[int, ...]) -> int:
+    offset = start % BLOCK
+    keys = max(1, math.ceil((offset + num_rows) / BLOCK))
+    last = offset + num_rows - (keys - 1) * BLOCK
+    m = RouteManifest(
+        tuple(f"auxout/r3/local/g0/{i:032x}" for i in range(keys)), start - offset, num_rows, offset, last, BLOCK,
+        shape, "|u1", "redis://127.0.0.1:6379",
+    )  # fmt: skip
+    return len(json.dumps({"routed_experts_manifest": m.to_dict()}, separators=(",", ":")))
+
+
+def payload_bytes(fields: dict[str, Any]) -> int:
+    return len(json.dumps(fields, separators=(",", ":")))
+
+
+def run(name: str, routes: np.ndarray, experts: int, repeats: int) -> list[dict[str, Any]]:
+    rows_out = []
+    prompt = 0
+    for turn in range(TURNS):
+        prompt += NEW_TEXT
+        end = prompt + GENERATED - 1  # rows of prompt + output (the last token has no row yet)
+        start = max(prompt - NEW_TEXT - 1, 0) if turn else 0
+        for mode in ("full", "prompt_start", "session", "keys"):
+            first = 0 if mode == "full" else start
+            rows = routes[first:end]
+            if mode == "keys":
+                rows_out.append({"profile": name, "turn": turn + 1, "mode": mode, "format": "-",
+                                 "bytes": manifest_bytes(first, len(rows), routes.shape[1:]), "decode_us": 0.0,
+                                 "encode_us": 0.0})
+                continue
+            for fmt in FORMATS:
+                enc = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    fields = encode(rows, fmt, num_experts=experts)
+                    enc.append(time.perf_counter() - t0)
+                times = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    got = decode_routes(fields)
+                    times.append(time.perf_counter() - t0)
+                assert got is not None and np.array_equal(got, rows)
+                rows_out.append({"profile": name, "turn": turn + 1, "mode": mode, "format": fmt,
+                                 "bytes": payload_bytes(fields), "decode_us": statistics.median(times) * 1e6,
+                                 "encode_us": statistics.median(enc) * 1e6})
+        prompt += GENERATED
+    return rows_out
+
+
+def summarize(results: list[dict[str, Any]]) -> None:
+    for profile in dict.fromkeys(r["profile"] for r in results):
+        sel = [r for r in results if r["profile"] == profile]
+        base = sum(r["bytes"] for r in sel if r["mode"] == "full" and r["format"] == "npy")
+        print(f"\n## {profile}: 6 turns, bytes summed over turns (ratio to full+npy), client decode and server encode per turn (medians)")
+        print(f"{'mode':14s} {'format':8s} {'total bytes':>12s} {'ratio':>7s} {'turn-6 bytes':>12s} {'decode us/turn':>15s} {'encode us/turn':>15s}")
+        for mode in ("full", "prompt_start", "session", "keys"):
+            for fmt in (*FORMATS, "-"):
+                part = [r for r in sel if r["mode"] == mode and r["format"] == fmt]
+                if not part:
+                    continue
+                total = sum(r["bytes"] for r in part)
+                last = part[-1]["bytes"]
+                dec = statistics.median(r["decode_us"] for r in part)
+                enc = statistics.median(r["encode_us"] for r in part)
+                print(f"{mode:14s} {fmt:8s} {total:12d} {total / base:7.3f} {last:12d} {dec:15.1f} {enc:15.1f}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=20)
+    args = p.parse_args()
+    total = TURNS * (NEW_TEXT + GENERATED)
+    results = []
+    tiny, e = tiny_routes(total)
+    results += run("tiny qwen3_moe (2 layers, top-4 of 16, real routes)", tiny, e, args.repeats)
+    big, e = synthetic_routes(total)
+    results += run("Qwen3-30B-A3B shape (48 layers, top-8 of 128, uniform synthetic)", big, e, args.repeats)
+    summarize(results)
+
+
+if __name__ == "__main__":
+    main()

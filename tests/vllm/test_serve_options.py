@@ -1,0 +1,81 @@
+"""``auxout serve`` reaches every engine option, from flags, the user's config or the environment,
+and rejects a missing, unknown or conflicting option at argument parsing, naming it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from auxout.integrations.vllm.options import CONFIG_KEY, VllmOptions
+from auxout.integrations.vllm.serve import ServeArgumentError, main, vllm_argv
+
+REDIS = {"url": "redis://127.0.0.1:1/0", "namespace": "r3"}
+
+
+def options_of(argv: list[str]) -> dict:
+    return json.loads(argv[argv.index("--additional-config") + 1])[CONFIG_KEY]
+
+
+def test_every_option_has_a_flag():
+    argv = vllm_argv([
+        "/m", "--auxout-store", "redis", "--auxout-store-options", json.dumps(REDIS), "--auxout-max-bytes", "4096",
+        "--auxout-namespace", "ns", "--auxout-default-return", "false", "--auxout-output", "keys",
+    ])  # fmt: skip
+    got = VllmOptions.from_dict(options_of(argv))
+    assert got == VllmOptions(store="redis", store_options=REDIS, max_bytes=4096, namespace="ns",
+                              default_return=False, output="keys")  # fmt: skip
+    assert not any(a.startswith("--auxout") for a in argv)
+
+
+def test_user_additional_config_and_env_are_honoured():
+    user = {"x": 1, CONFIG_KEY: {"store": "redis", "store_options": REDIS}}
+    argv = vllm_argv(["/m", f"--additional-config={json.dumps(user)}", "--auxout-namespace", "a"],
+                     env=json.dumps({"max_bytes": 1 << 20}))  # fmt: skip
+    extra = json.loads(argv[argv.index("--additional-config") + 1])
+    assert extra["x"] == 1
+    assert extra[CONFIG_KEY] == {**VllmOptions().to_dict(), "store": "redis", "store_options": REDIS,
+                                 "namespace": "a", "max_bytes": 1 << 20}  # fmt: skip
+    # the same value from two sources is fine
+    vllm_argv(["/m", "--auxout-store", "redis", "--additional-config", json.dumps(user)])
+
+
+@pytest.mark.parametrize(
+    "argv, env, needle",
+    [
+        (["/m", "--auxout-store", "redis"], None, "'url', 'namespace'"),  # was KeyError: 'url' in the worker
+        (["/m", "--auxout-store", "redis", "--auxout-store-options", '{"url": "redis://h"}'], None, "'namespace'"),
+        (["/m", "--auxout-store-options", '{"colour": 1}'], None, "colour"),
+        (["/m", "--auxout-store", "nosuch"], None, "nosuch"),
+        (["/m", "--auxout-output", "keys"], None, "keys"),
+        (["/m", "--auxout-max-bytes", "0"], None, "positive"),
+        (["/m", "--auxout-store-options", "[1]"], None, "JSON object"),
+        (["/m", "--auxout-bogus", "1"], None, "--auxout-bogus"),
+        (["/m", "--auxout-namespace", "a", "--additional-config", json.dumps({CONFIG_KEY: {"namespace": "b"}})],
+         None, "'namespace' is 'b' in --additional-config auxout but 'a' in --auxout-* flags"),
+        (["/m", "--auxout-namespace", "a"], '{"namespace": "c"}', "'namespace' is 'c' in AUXOUT_VLLM_OPTIONS"),
+        (["/m"], '{"nonsense": 1}', "nonsense"),
+        (["/m"], "{not json", "AUXOUT_VLLM_OPTIONS"),
+        (["/m", "--additional-config", "{bad"], None, "--additional-config"),
+    ],
+)
+def test_bad_options_fail_at_parse_time_naming_the_option(argv, env, needle):
+    with pytest.raises(ServeArgumentError) as ei:
+        vllm_argv(argv, env=env)
+    assert needle in str(ei.value)
+
+
+def test_main_reports_option_errors_without_starting(capsys, monkeypatch):
+    monkeypatch.setenv("AUXOUT_VLLM_OPTIONS", '{"store": "redis"}')
+    assert main(["/m"]) == 2
+    assert "needs store option(s) ['url', 'namespace']" in capsys.readouterr().err
+
+
+def test_engine_kwargs_reject_a_redis_store_without_namespace():
+    from auxout.vllm import engine_kwargs
+
+    with pytest.raises(ValueError, match="'namespace'"):
+        engine_kwargs(store="redis", store_options={"url": "redis://127.0.0.1:6379"})
+    with pytest.raises(ValueError, match="master_addr"):
+        engine_kwargs(store="mooncake")
+    engine_kwargs(store="redis", store_options=REDIS)

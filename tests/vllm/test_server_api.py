@@ -1,0 +1,299 @@
+"""``auxout serve`` as an agent loop uses it: chat, streaming, sessions, formats, n/echo/logprobs/stop, keys.
+
+One real server subprocess for the module (Qwen3-MoE tiny model with its tokenizer, Redis store:
+the store comes from a flag, its options from ``AUXOUT_VLLM_OPTIONS`` and the namespace from the
+user's ``--additional-config``), driven by the official ``openai`` client and plain HTTP. Every
+route array is checked against transformers' full forward of the exact tokens the server reports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from routes_oracle import Oracle, random_prompt
+
+from auxout.manifest import RouteManifest, fetch
+from auxout.sessions import common_prefix_len
+from auxout.testing.servers import free_port, redis_server
+from auxout.wire import FORMATS, decode_routes
+
+pytestmark = pytest.mark.vllm
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    from auxout.models import build_tiny_moe
+
+    return build_tiny_moe("qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def server(model_path: str, tmp_path_factory: pytest.TempPathFactory):
+    with redis_server() as redis:
+        port = free_port()
+        log = tmp_path_factory.mktemp("server") / "server.log"
+        cmd = [
+            sys.executable, "-m", "auxout.cli", "serve", model_path,
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
+            "--block-size", "32", "--max-model-len", "512", "--max-num-batched-tokens", "64",
+            "--enable-prompt-tokens-details", "--seed", "0",
+            "--auxout-store", "redis", "--additional-config", json.dumps({"auxout": {"namespace": "http"}}),
+        ]  # fmt: skip
+        options = {"store_options": {"url": redis.url, "namespace": "srv"}}
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "AUXOUT_VLLM_OPTIONS": json.dumps(options)}
+        with open(log, "wb") as fh:
+            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 480
+        try:
+            while True:
+                if proc.poll() is not None:
+                    pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+                try:
+                    if httpx.get(base + "/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    pytest.fail(f"server not ready in 480 s:\n{log.read_text()[-4000:]}")
+                time.sleep(1)
+            with httpx.Client(base_url=base, timeout=120) as client:
+                client.model_path = model_path  # type: ignore[attr-defined]
+                client.openai = openai.OpenAI(base_url=base + "/v1", api_key="x", timeout=120)  # type: ignore[attr-defined]
+                yield client
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="module")
+def oracle(model_path: str) -> Oracle:
+    return Oracle(model_path)
+
+
+def check(oracle: Oracle, tokens: list[int], rows: np.ndarray, start: int) -> None:
+    expected = oracle.routes(tokens)[start : len(tokens) - 1]
+    assert rows.shape == expected.shape, (rows.shape, expected.shape)
+    bad = np.argwhere(~(np.sort(rows, axis=-1) == np.sort(expected, axis=-1)).all(axis=-1))
+    assert bad.size == 0, f"{len(bad)} route mismatches, first at {bad[:5].tolist()}"
+
+
+def body(server, **kw: Any) -> dict[str, Any]:
+    return {"model": server.model_path, "temperature": 0, "ignore_eos": True, "return_token_ids": True, **kw}
+
+
+def sse(server, path: str, payload: dict[str, Any]) -> list[dict[str, Any]]:
+    events = []
+    with server.stream("POST", path, json={**payload, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    return events
+
+
+def stitched(events: list[dict[str, Any]], index: int = 0) -> tuple[int, np.ndarray, list[int], list[int]]:
+    """(first start, concatenated rows, prompt ids, output ids) of one streamed choice; checks contiguity."""
+    parts, first, expect_next = [], None, None
+    prompt: list[int] = []
+    out: list[int] = []
+    for ev in events:
+        for c in ev.get("choices", []):
+            if c["index"] != index:
+                continue
+            prompt = prompt or (c.get("prompt_token_ids") or [])
+            out += c.get("token_ids") or []
+            if c.get("routed_experts") is None:
+                continue
+            start = c["routed_experts_start"]
+            if first is None:
+                first = start
+            else:
+                assert start == expect_next, "streamed rows are not contiguous"
+            rows = decode_routes(c)
+            assert rows is not None and rows.shape[1:] == (2, 4)
+            parts.append(rows)
+            expect_next = start + len(rows)
+    assert first is not None, "no routes in the stream"
+    return first, np.concatenate(parts), prompt, out
+
+
+def test_chat_multi_turn_session_with_openai_client(server, oracle):
+    client = server.openai
+    messages = [{"role": "user", "content": "What is the weather like today?"}]
+    held = np.zeros((0, 2, 4), np.uint8)
+    previous: list[int] = []
+    previous_prompt_len = 0
+    for turn in range(3):
+        resp = client.chat.completions.create(
+            model=server.model_path, messages=messages, max_tokens=6, temperature=0,
+            extra_body={"return_token_ids": True, "ignore_eos": True, "routed_experts_session": "chat-a"},
+        )  # fmt: skip
+        choice = resp.choices[0]
+        extra = choice.model_extra or {}
+        prompt = list(resp.model_extra["prompt_token_ids"])
+        tokens = prompt + list(extra["token_ids"])
+        rows = decode_routes(choice)
+        start = extra["routed_experts_start"]
+        assert extra["routed_experts_shape"] == list(rows.shape) and extra["routed_experts_dtype"] == "uint8"
+        check(oracle, tokens, rows, start)
+        # the session resumes at the first position the client lacks or that differs (re-tokenized
+        # assistant text may differ from the generated ids): never later, never earlier
+        expected = min(common_prefix_len(np.array(previous), np.array(prompt)), max(len(previous) - 1, 0))
+        assert start == expected, (start, expected)
+        if turn:
+            assert start >= previous_prompt_len, "the history the client holds must not be sent again"
+        previous_prompt_len = len(prompt)
+        held = np.concatenate([held[:start], rows])
+        check(oracle, tokens, held, 0)  # the client's stitched copy is the whole conversation
+        previous = tokens
+        messages += [{"role": "assistant", "content": choice.message.content},
+                     {"role": "user", "content": f"Tell me more, turn {turn}."}]  # fmt: skip
+
+
+def test_session_restarts_where_history_differs(server, oracle):
+    rng = np.random.default_rng(80)
+    first = random_prompt(rng, 50)
+    r1 = server.post("/v1/completions", json=body(server, prompt=first, max_tokens=4, routed_experts_session="s-b")).json()
+    c1 = r1["choices"][0]
+    assert c1["routed_experts_start"] == 0
+    edited = first[:20] + random_prompt(rng, 40)
+    r2 = server.post("/v1/completions", json=body(server, prompt=edited, max_tokens=4, routed_experts_session="s-b")).json()
+    c2 = r2["choices"][0]
+    assert c2["routed_experts_start"] == 20
+    check(oracle, edited + c2["token_ids"], decode_routes(c2), 20)
+
+
+@pytest.mark.parametrize("session", [None, "stream-s"])
+def test_streamed_completion_rows_concatenate_to_the_full_array(server, oracle, session):
+    rng = np.random.default_rng(81)
+    prompt = random_prompt(rng, 70)  # longer than one 64-token prefill chunk
+    extra = {"routed_experts_session": session} if session else {}
+    events = sse(server, "/v1/completions", body(server, prompt=prompt, max_tokens=10, **extra))
+    start, rows, _, out = stitched(events)
+    assert start == 0 and len(out) == 10
+    check(oracle, prompt + out, rows, 0)
+    chunks_with_rows = sum(1 for e in events for c in e["choices"] if c.get("routed_experts"))
+    assert chunks_with_rows >= 5, "rows must arrive with the tokens, not all at the end"
+    plain = server.post("/v1/completions", json=body(server, prompt=prompt, max_tokens=10)).json()["choices"][0]
+    np.testing.assert_array_equal(decode_routes(plain), rows)
+    if session:  # next turn streamed: only the new rows
+        second = prompt + out + random_prompt(rng, 8)
+        events2 = sse(server, "/v1/completions", body(server, prompt=second, max_tokens=5, routed_experts_session=session))
+        start2, rows2, _, out2 = stitched(events2)
+        assert start2 == len(prompt) + len(out) - 1
+        check(oracle, second + out2, rows2, start2)
+
+
+def test_streamed_chat_with_openai_client(server, oracle):
+    stream = server.openai.chat.completions.create(
+        model=server.model_path, messages=[{"role": "user", "content": "Stream me some routes."}],
+        max_tokens=7, temperature=0, stream=True, extra_body={"return_token_ids": True, "ignore_eos": True},
+    )  # fmt: skip
+    events = [chunk.model_dump() for chunk in stream]
+    for ev in events:  # the openai client keeps unknown fields: flatten them for stitched()
+        for c in ev["choices"]:
+            c.update({k: v for k, v in (c.pop("model_extra", None) or {}).items()})
+    prompt = next(e["prompt_token_ids"] for e in events if e.get("prompt_token_ids"))
+    start, rows, _, out = stitched(events)
+    assert start == 0 and len(out) == 7
+    check(oracle, list(prompt) + out, rows, 0)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_format_round_trips(server, oracle, fmt):
+    prompt = random_prompt(np.random.default_rng(82), 40)
+    r = server.post("/v1/completions", json=body(server, prompt=prompt, max_tokens=5, routed_experts_format=fmt))
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    assert c["routed_experts_format"] == fmt and c["routed_experts_start"] == 0
+    assert c["routed_experts_shape"] == [44, 2, 4]
+    check(oracle, prompt + c["token_ids"], decode_routes(c), 0)
+
+
+def test_n_echo_logprobs_and_stop_strings(server, oracle):
+    prompt = random_prompt(np.random.default_rng(83), 45)
+    r = server.post("/v1/completions", json=body(
+        server, prompt=prompt, max_tokens=6, n=2, temperature=1.0, echo=True, logprobs=2))
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert sorted(c["index"] for c in choices) == [0, 1]
+    for c in choices:
+        check(oracle, prompt + c["token_ids"], decode_routes(c), 0)
+    events = sse(server, "/v1/completions", body(server, prompt=prompt, max_tokens=6, n=2, temperature=1.0))
+    for index in (0, 1):
+        start, rows, _, out = stitched(events, index)
+        assert start == 0 and len(out) == 6
+        check(oracle, prompt + out, rows, 0)
+    # a stop string cuts the output: the rows end with it
+    free = server.post("/v1/completions", json=body(server, prompt=prompt, max_tokens=12)).json()["choices"][0]
+    words = [w for w in free["text"][len(free["text"]) // 2 :].split() if len(w) >= 2]
+    assert words, f"no word to stop at in {free['text']!r}"
+    stop_at = words[0][:2]
+    r2 = server.post("/v1/completions", json=body(server, prompt=prompt, max_tokens=12, stop=[stop_at])).json()
+    c2 = r2["choices"][0]
+    assert len(c2["token_ids"]) < 12 and c2["finish_reason"] == "stop"
+    check(oracle, prompt + c2["token_ids"], decode_routes(c2), 0)
+    events = sse(server, "/v1/completions", body(server, prompt=prompt, max_tokens=12, stop=[stop_at]))
+    _, rows, _, out = stitched(events)
+    assert out == c2["token_ids"]
+    check(oracle, prompt + out, rows, 0)
+
+
+def test_keys_only_over_http_returns_a_manifest(server, oracle):
+    prompt = random_prompt(np.random.default_rng(84), 50)
+    r = server.post("/v1/completions", json=body(
+        server, prompt=prompt, max_tokens=5, vllm_xargs={"routed_experts_output": "keys"}))
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    assert c.get("routed_experts") is None
+    manifest = RouteManifest.from_dict(c["routed_experts_manifest"])
+    assert manifest.store.startswith("redis://")
+    check(oracle, prompt + c["token_ids"], fetch(manifest), 0)
+    events = sse(server, "/v1/completions", body(
+        server, prompt=prompt, max_tokens=5, vllm_xargs={"routed_experts_output": "keys"}))
+    finals = [c for e in events for c in e["choices"] if c.get("finish_reason")]
+    assert len(finals) == 1 and not any(c.get("routed_experts") for e in events for c in e["choices"])
+    streamed = fetch(RouteManifest.from_dict(finals[0]["routed_experts_manifest"]))
+    out = [t for e in events for c in e["choices"] for t in (c.get("token_ids") or [])]
+    check(oracle, prompt + out, streamed, 0)
+
+
+@pytest.mark.parametrize(
+    "extra, field",
+    [
+        ({"routed_experts_format": "json"}, "routed_experts_format"),
+        ({"routed_experts_format": 3}, "routed_experts_format"),
+        ({"routed_experts_session": ""}, "routed_experts_session"),
+        ({"routed_experts_session": 12}, "routed_experts_session"),
+        ({"routed_experts_session": "x" * 300}, "routed_experts_session"),
+        ({"routed_experts_session": "s", "n": 2, "temperature": 1.0}, "routed_experts_session"),
+        ({"routed_experts_session": "s", "routed_experts_prompt_start": 3}, "routed_experts_session"),
+        ({"return_routing_weights": "yes"}, "return_routing_weights"),
+    ],
+)
+def test_bad_new_fields_get_400_naming_the_field(server, oracle, extra, field):
+    prompt = random_prompt(np.random.default_rng(85), 30)
+    for path, payload in (
+        ("/v1/completions", {"prompt": prompt}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ):
+        r = server.post(path, json=body(server, max_tokens=2, **payload, **extra))
+        assert r.status_code == 400, (path, r.status_code, r.text)
+        assert field in r.text
+    ok = server.post("/v1/completions", json=body(server, prompt=prompt, max_tokens=2)).json()["choices"][0]
+    check(oracle, prompt + ok["token_ids"], decode_routes(ok), 0)
