@@ -148,6 +148,7 @@ class WorkerConnector:
         self._slot_of: dict[str, int] = {}
         self._alloc_slots(max(8, 2 * max_num_seqs))
         self._pending_steps: list[PendingStep] = []
+        self._void_seqs: set[int] = set()  # in-flight steps voided by a generation change
         self._step_ready = False
         self._seq = 0
         self._closed = False
@@ -240,11 +241,12 @@ class WorkerConnector:
             )
         release: list[str] = []
         if meta.generation > self.generation:
-            if self._pending_steps:
-                raise InvariantError(
-                    f"generation changed to {meta.generation} with {len(self._pending_steps)} step output(s) "
-                    "in flight; reset the prefix cache only when no model output is pending"
-                )
+            # A reset with steps in flight (async scheduling): the engine drops their outputs
+            # (the requests were preempted), so they are voided here: nothing of theirs is
+            # published or emitted, and they no longer hold the slots being torn down.
+            for p in self._pending_steps:
+                self._inflight[p.slots] = 0
+                self._void_seqs.add(p.seq)
             release = self._teardown(list(self._slot_of.values()))
             self._slot_of.clear()
             self.pool.reset()
@@ -425,6 +427,15 @@ class WorkerConnector:
         if not self._pending_steps or self._pending_steps[0] is not pending:
             raise InvariantError("step outputs must be processed in the order they were prepared")
         n = len(pending.req_ids)
+        if pending.seq in self._void_seqs:
+            self._void_seqs.discard(pending.seq)
+            self._pending_steps.pop(0)
+            none = np.full(n, -1, dtype=_I64)
+            published, lost = self._route_events()
+            return StepOutput(
+                list(pending.req_ids), pending.token_starts.copy(), none, none.copy(), pending.rows[:0],
+                published=published, lost=lost,
+            )  # fmt: skip
         try:
             sampled = np.asarray(num_sampled, dtype=_I64)[:n]
             rejected = np.zeros(n, dtype=_I64) if num_rejected is None else np.asarray(num_rejected, dtype=_I64)[:n]
