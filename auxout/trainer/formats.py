@@ -27,7 +27,7 @@ import numpy as np
 
 from auxout.trainer.route_trace import SENTINEL, RouteTrace, RouteTraceError
 
-SGLANG_DTYPES = {"int32": np.int32, "uint16": np.uint16, "uint8": np.uint8, "int16": np.int16, "int64": np.int64}
+SGLANG_DTYPES: dict[str, type[np.integer[Any]]] = {"int32": np.int32, "uint16": np.uint16, "uint8": np.uint8, "int16": np.int16, "int64": np.int64}
 
 
 def _routes3(a: Any, name: str) -> np.ndarray:
@@ -98,7 +98,7 @@ def encode_sglang(routes: Any, dtype: str = "int32") -> tuple[str, str]:
     r = _routes3(routes, "routes")
     if dtype not in SGLANG_DTYPES:
         raise RouteTraceError(f"dtype={dtype!r}: expected one of {sorted(SGLANG_DTYPES)}")
-    info = np.iinfo(SGLANG_DTYPES[dtype])
+    info = np.iinfo(np.dtype(SGLANG_DTYPES[dtype]))
     if r.size and (r.min() < info.min or r.max() > info.max):
         raise RouteTraceError(f"ids in [{r.min()}, {r.max()}] do not fit {dtype} (SGLang falls back to int32)")
     return base64.b64encode(np.ascontiguousarray(r, dtype=SGLANG_DTYPES[dtype]).tobytes()).decode("ascii"), dtype
