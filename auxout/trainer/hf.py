@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -85,6 +85,9 @@ class MoELayers:
 ROUTER_SUFFIXES = ("TopKRouter", "TopkRouter", "Router", "TopKGating")
 """Class-name endings of transformers MoE routers (5.x): every such module returns
 ``(logits [T, E], weights [T, k], ids [T, k])`` and sits beside an ``experts`` module."""
+
+CALIBRATION_CALLS = 4
+"""Router calls per layer checked against the router's own weights before the rule is trusted."""
 
 RULES = ("softmax_topk_renorm", "softmax_topk", "topk_softmax", "sigmoid_group", "sigmoid_topk", "sigmoid_topk_renorm")
 """Weighting rules auxout can recompute for forced ids; the live router's own output decides which one applies."""
@@ -167,9 +170,12 @@ def routing_weights(rule: str, router: nn.Module, logits: torch.Tensor, idx: tor
         if getattr(router, "norm_topk_prob", False):
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
         return w * float(getattr(router, "routed_scaling_factor", 1.0))
-    if rule in ("sigmoid_topk", "sigmoid_topk_renorm"):
+    if rule in ("sigmoid_topk", "sigmoid_topk_renorm"):  # e.g. MiniMax-M2, AFMoE (with route_scale)
         w = logits.float().sigmoid().gather(-1, idx)
-        return w / w.sum(dim=-1, keepdim=True) if rule == "sigmoid_topk_renorm" else w
+        if rule == "sigmoid_topk_renorm":
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        scale = getattr(router, "routed_scaling_factor", getattr(router, "route_scale", None))
+        return w * float(scale) if isinstance(scale, (int, float)) and scale != 1 else w
     if rule not in ("softmax_topk", "softmax_topk_renorm"):
         raise ValueError(f"unknown routing rule {rule!r}; known: {RULES}")
     probs = torch.softmax(logits, dim=-1, dtype=torch.float)
@@ -179,22 +185,26 @@ def routing_weights(rule: str, router: nn.Module, logits: torch.Tensor, idx: tor
     return w
 
 
-def _calibrate(layer: MoELayer, logits: torch.Tensor, live_w: torch.Tensor, live_idx: torch.Tensor) -> str:
-    """The rule that reproduces this router's live weights from its logits (guess first, then the rest)."""
+def _consistent_rules(candidates: list[str], layer: MoELayer, logits: torch.Tensor, live_w: torch.Tensor,
+                      live_idx: torch.Tensor) -> list[str]:
+    """The candidate rules that reproduce this router call's own weights from its logits.
+
+    Called on every forward until one rule is left: near-uniform logits (a fresh model) cannot tell
+    softmax from sigmoid apart, a later call with spread logits can.
+    """
     ref = live_w.detach().float()
-    tried = []
-    for rule in dict.fromkeys([layer.rule, *RULES]):
-        if not rule:
-            continue
-        with torch.no_grad():
+    keep = []
+    with torch.no_grad():
+        for rule in candidates:
             w = routing_weights(rule, layer.router, logits.detach(), live_idx.to(torch.int64)).float()
-        if w.shape == ref.shape and torch.allclose(w, ref, rtol=1e-3, atol=1e-5):
-            return rule
-        tried.append(rule)
-    raise TypeError(
-        f"unsupported MoE router {type(layer.router).__name__} ({layer.name}): none of the weighting rules "
-        f"{tried} reproduces its routing weights, so forced ids cannot be weighted like the model would"
-    )
+            if w.shape == ref.shape and torch.allclose(w, ref, rtol=1e-5, atol=1e-6):
+                keep.append(rule)
+    if not keep:
+        raise TypeError(
+            f"unsupported MoE router {type(layer.router).__name__} ({layer.name}): none of the weighting rules "
+            f"{candidates} reproduces its routing weights, so forced ids cannot be weighted like the model would"
+        )
+    return keep
 
 
 def _as_route_tensor(routes: Any, layers: MoELayers) -> torch.Tensor:
@@ -290,7 +300,8 @@ class ReplayContext:
     recompute_count: int = 0
     input_shape: tuple[int, int] | None = None  # (B, T) of the current forward, from a model pre-hook
     rules: list[str] = field(default_factory=list)
-    checked: list[bool] = field(default_factory=list)
+    candidates: list[list[str]] = field(default_factory=list)
+    calibrations: list[int] = field(default_factory=list)
     _sentinel: torch.Tensor | None = None  # bool [B, S, L]
     _pending: list[list[tuple[int, int]]] = field(default_factory=list)
     _device_routes: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -298,8 +309,9 @@ class ReplayContext:
     def __post_init__(self) -> None:
         self.cursors = [0] * len(self.layers)
         self.fallback_per_layer = [0] * len(self.layers)
-        self.rules = [lay.rule for lay in self.layers]
-        self.checked = [False] * len(self.layers)
+        self.candidates = [list(dict.fromkeys([lay.rule, *RULES] if lay.rule else RULES)) for lay in self.layers]
+        self.rules = [c[0] for c in self.candidates]
+        self.calibrations = [0] * len(self.layers)
         self._pending = [[] for _ in self.layers]
         self._sentinel = check_routes(self.routes, self.layers.num_experts, self.valid_mask)
 
@@ -362,17 +374,29 @@ class ReplayContext:
         return idx, fallback, counted
 
 
+def _output_positions(out: Any, layer: MoELayer) -> tuple[int, int, int]:
+    """Where (logits, weights, ids) sit in a router's output tuple (most return them in that order, Granite reversed)."""
+    if isinstance(out, tuple) and len(out) == 3 and all(isinstance(t, torch.Tensor) for t in out):
+        ints = [j for j, t in enumerate(out) if not t.is_floating_point()]
+        floats = sorted((j for j, t in enumerate(out) if t.is_floating_point()), key=lambda j: -out[j].shape[-1])
+        if len(ints) == 1 and len(floats) == 2 and out[floats[1]].shape == out[ints[0]].shape:
+            return floats[0], floats[1], ints[0]
+    raise TypeError(
+        f"router {type(layer.router).__name__} ({layer.name}) does not return (logits, weights, ids): not replayable"
+    )
+
+
 def _layer_hook(ctx: ReplayContext, layer: MoELayer) -> Callable[..., Any]:
     def hook(mod: nn.Module, args: Any, out: Any) -> Any:
-        if not (isinstance(out, tuple) and len(out) == 3):
-            raise TypeError(
-                f"router {type(mod).__name__} ({layer.name}) does not return (logits, weights, ids): not replayable"
-            )
-        logits, live_w, live_idx = out
+        pos = _output_positions(out, layer)
+        logits, live_w, live_idx = (out[j] for j in pos)
         i = layer.moe_index
-        if not ctx.checked[i]:  # first call: the rule must reproduce the router's own weights
-            ctx.rules[i] = _calibrate(replace(layer, rule=ctx.rules[i]), logits, live_w, live_idx)
-            ctx.checked[i] = True
+        if ctx.calibrations[i] < CALIBRATION_CALLS and (ctx.calibrations[i] == 0 or len(ctx.candidates[i]) > 1):
+            # until the rule is unambiguous (rules that are the same math, e.g. softmax-then-renorm and
+            # softmax-over-top-k, stay ambiguous: the first, the architecture's own, is used)
+            ctx.candidates[i] = _consistent_rules(ctx.candidates[i], layer, logits, live_w, live_idx)
+            ctx.rules[i] = ctx.candidates[i][0]
+            ctx.calibrations[i] += 1
         idx, fallback, counted = ctx._take(i, logits.shape[0], logits.device)
         n_fb = int((fallback & counted).sum())
         if bool(fallback.any()):
@@ -381,7 +405,9 @@ def _layer_hook(ctx: ReplayContext, layer: MoELayer) -> Callable[..., Any]:
         ctx.fallback_per_layer[i] += n_fb
         idx = idx.to(live_idx.dtype)
         w = routing_weights(ctx.rules[i], layer.router, logits, idx).to(live_w.dtype)
-        return (logits, w, idx)
+        new = list(out)
+        new[pos[1]], new[pos[2]] = w, idx
+        return tuple(new)
 
     return hook
 
@@ -451,9 +477,17 @@ class RouteRecorder:
 
     def _hook(self, i: int) -> Callable[..., None]:
         def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            idx = args[1] if len(args) > 1 else next(
-                v for k, v in kwargs.items() if k in ("top_k_index", "router_indices", "topk_indices")
-            )
+            idx: torch.Tensor | None = None
+            if len(args) > 1 and isinstance(args[1], torch.Tensor) and not args[1].is_floating_point():
+                idx = args[1]
+            else:
+                idx = next((v for k, v in kwargs.items() if k in ("top_k_index", "router_indices", "topk_indices")),
+                           None)
+            if idx is None:
+                raise TypeError(
+                    f"experts module {type(mod).__name__} of MoE layer {i} was not called with (hidden, top_k_ids, "
+                    f"weights): this architecture's MoE block is not supported"
+                )
             self.rows[i].append(idx.detach().to("cpu", torch.int64).clone())
 
         return hook
