@@ -56,7 +56,7 @@ def reference():
             losses.append(model(input_ids=ids, labels=ids, use_cache=False).loss)
     (sum(losses) / 2).backward()
     grads = {n: p.grad.detach().numpy() for n, p in model.named_parameters() if p.grad is not None}
-    return [float(x) for x in losses], grads
+    return [x.item() for x in losses], grads
 
 
 @pytest.mark.parametrize("scenario", ["ckpt0", "ckpt1"])
