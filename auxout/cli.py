@@ -7,7 +7,7 @@ import sys
 
 COMMANDS = {
     "serve": ("auxout.integrations.vllm.serve", "OpenAI-compatible vLLM server with routed experts"),
-    "verify": ("auxout.verify", "rollout vs training routing agreement with and without replay"),
+    "verify": ("auxout.trainer.verify", "rollout vs training routing agreement with and without replay"),
     "demo": ("auxout.demo", "multi-turn rollout with routes verified against an oracle"),
 }
 

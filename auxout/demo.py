@@ -130,7 +130,7 @@ def verify(path: str, convs: list[Conversation]) -> tuple[int, int]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from auxout.hf import capture_routes
+    from auxout.trainer.hf import capture_routes
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     bad = total = 0

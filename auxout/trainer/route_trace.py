@@ -187,7 +187,7 @@ class RouteTrace:
     def agreement(self, reference: np.ndarray) -> float:
         """Fraction of covered (token, layer) top-k sets equal to ``reference`` (``[S-1]`` or ``[S]`` rows).
 
-        Against an fp32 oracle (``auxout.hf.capture_routes``) an aligned trace scores near 1 and a
+        Against an fp32 oracle (``auxout.trainer.hf.capture_routes``) an aligned trace scores near 1 and a
         shifted one near chance, which is how misalignment that keeps the length is caught.
         """
         ref = np.asarray(reference)
@@ -204,7 +204,7 @@ def pad_batch(traces: Sequence[RouteTrace], side: str = "right", length: int | N
     """Padded ``(input_ids [B,S], attention_mask [B,S], routes [B,S,L,K])``; pad rows are -1.
 
     The routes use the same padding side as the tokens, so column j of ``routes`` is the token in
-    column j of ``input_ids`` -- pass both to :func:`auxout.hf.replay` unchanged.
+    column j of ``input_ids`` -- pass both to :func:`auxout.trainer.hf.replay` unchanged.
     """
     if side not in ("left", "right"):
         raise RouteTraceError(f"side must be 'left' or 'right', got {side!r}")

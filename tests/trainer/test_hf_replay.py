@@ -1,4 +1,4 @@
-"""auxout.hf: capture oracle and routing replay on the six transformers MoE architectures."""
+"""auxout.trainer.hf: capture oracle and routing replay on the six transformers MoE architectures."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from conftest import VOCAB, build_tiny
 from transformers import DynamicCache, Qwen3MoeModel
 
-from auxout.hf import RouteRecorder, capture_routes, moe_layers, replay
+from auxout.trainer.hf import InvalidRoutesError, RouteRecorder, capture_routes, moe_layers, replay
 
 S = 24
 # transformers renamed `past_key_values=` to `cache=` (5.2x); 5.19 silently ignores `cache=`
@@ -127,22 +127,61 @@ def test_sentinel_falls_back_to_live_router(arch_model):
              for i, lay in enumerate(layers)]
     routes = _random_routes(4, (S, 2, 2), 8)
     routes[5, 1] = -1
-    routes[9, 0, 1] = 8  # out of range for 8 experts
-    routes[11, 0] = [3, 3]  # repeated expert
+    routes[9, 0] = -1
     try:
         with replay(model, routes) as ctx, RouteRecorder(model) as rec:
             _logits(model, ids[None])
     finally:
         for h in hooks:
             h.remove()
-    assert ctx.fallback_count == 3 and ctx.fallback_per_layer == [2, 1]
+    assert ctx.fallback_count == 2 and ctx.fallback_per_layer == [1, 1]
     used = rec.routes()
     np.testing.assert_array_equal(used[5, 1], live[1][5].numpy())
     np.testing.assert_array_equal(used[9, 0], live[0][9].numpy())
-    np.testing.assert_array_equal(used[11, 0], live[0][11].numpy())
     keep = np.ones((S, 2), bool)
-    keep[[5, 9, 11], [1, 0, 0]] = False
+    keep[[5, 9], [1, 0]] = False
     np.testing.assert_array_equal(used[keep], routes[keep])
+
+
+@pytest.mark.parametrize(
+    "pos, layer, row, why",
+    [(9, 0, [1, 8], "outside"), (11, 1, [3, 3], "repeats"), (3, 1, [0, 0], "repeats"), (7, 0, [-1, 4], "outside")],
+)
+def test_corrupt_rows_are_refused_with_position_and_layer(arch_model, pos, layer, row, why):
+    arch, model = arch_model
+    routes = _random_routes(7, (2, S, 2, 2), 8)
+    routes[1, pos, layer] = row
+    with pytest.raises(InvalidRoutesError, match=rf"batch=1, position={pos}, moe_layer={layer}\] = .*{why}"):
+        replay(model, routes).__enter__()
+    mask = np.ones((2, S), np.int64)
+    mask[1, pos] = 0  # the same row under padding is not a route: the live router takes it
+    with replay(model, routes, attention_mask=mask) as ctx:
+        _logits(model, _ids(7, (2, S)), attention_mask=torch.from_numpy(mask))
+    assert ctx.fallback_count == 0
+    assert all(not lay.router._forward_hooks for lay in moe_layers(model))
+
+
+def test_checkpoint_recompute_replays_the_same_ids():
+    """Gradient checkpointing re-runs each layer inside backward(): the recompute must get the forward's ids."""
+    model = build_tiny("qwen3_moe", seed=3)
+    ids = _ids(8, (2, S))
+    forced = _random_routes(8, (2, S, 2, 2), 8)
+    grads = []
+    for ckpt in (False, True):
+        model.train()
+        model.zero_grad()
+        if ckpt:
+            model.gradient_checkpointing_enable()
+        with replay(model, forced) as ctx, RouteRecorder(model) as rec:
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        rows = rec.routes()
+        per_call = rows.reshape(-1, 2 * S, 2, 2)
+        assert len(per_call) == (2 if ckpt else 1) and ctx.recompute_count == (2 if ckpt else 0)
+        for call in per_call:  # forward and recompute both used the forced ids
+            np.testing.assert_array_equal(call.reshape(2, S, 2, 2), forced)
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+    for g0, g1 in zip(*grads, strict=True):
+        torch.testing.assert_close(g0, g1, atol=1e-6, rtol=1e-5)
 
 
 def test_chunked_prefill_and_decode_equals_full_forward(arch_model):

@@ -9,7 +9,6 @@ from conftest import VOCAB, build_tiny
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from auxout.hf import RouteRecorder, capture_routes, replay
 from auxout.trainer import (
     RouteTrace,
     RouteTraceError,
@@ -21,6 +20,7 @@ from auxout.trainer import (
     unpack,
     unpad_batch,
 )
+from auxout.trainer.hf import RouteRecorder, capture_routes, replay
 
 L, K = 3, 2
 

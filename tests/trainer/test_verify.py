@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import build_tiny
 
-from auxout.verify import main
+from auxout.trainer.verify import main
 
 
 @pytest.fixture(scope="module")

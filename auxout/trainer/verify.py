@@ -1,7 +1,7 @@
 """``auxout verify``: does routing replay close the rollout/training gap on a real model?
 
 Rolls out in bfloat16 (vLLM with auxout's routes, or transformers), then runs the training forward
-in float32 with and without :func:`auxout.hf.replay`, and reports top-k set agreement per
+in float32 with and without :func:`auxout.trainer.hf.replay`, and reports top-k set agreement per
 (token, layer), per-layer disagreement, and k3 KL / max |log-ratio| between rollout and training
 logprobs. With replay the agreement must be exactly 100%; the exit code is 1 otherwise.
 """
@@ -64,7 +64,7 @@ def rollout_hf_bf16(model_path: str, prompts: Sequence[np.ndarray], max_new_toke
     import torch
     from transformers import AutoModelForCausalLM
 
-    from auxout.hf import RouteRecorder
+    from auxout.trainer.hf import RouteRecorder
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).eval()
     torch.manual_seed(seed)
@@ -121,8 +121,8 @@ def train_forward(model: Any, r: Rollout, use_replay: bool) -> tuple[np.ndarray,
     """float32 training forward over prompt+output: (routes used [S, L, K], response logprobs, fallbacks)."""
     import torch
 
-    from auxout.hf import RouteRecorder, replay
     from auxout.trainer import RouteTrace
+    from auxout.trainer.hf import RouteRecorder, replay
 
     tokens = np.concatenate([r.prompt_ids, r.output_ids])
     ids = torch.as_tensor(tokens, dtype=torch.long)[None]
@@ -186,7 +186,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
-    from auxout.hf import moe_layers
+    from auxout.trainer.hf import moe_layers
 
     kind = args.rollout
     if kind == "auto":
