@@ -47,7 +47,7 @@ INLINE_BELOW_BYTES = 512 * 1024
 
 STORE_OPTIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "arena": ((), ("policy",)),
-    "shm": ((), ("shm_name",)),
+    "shm": ((), ("shm_name", "read_from")),
     "redis": (("url", "namespace"), ("ttl", "timeout")),
     "mooncake": (("master_addr",), ()),
 }
@@ -76,6 +76,11 @@ def make_store(name: str, *, max_bytes: int, object_nbytes: int, background: boo
         from auxout.stores.shm import SharedMemoryStore
 
         inner = SharedMemoryStore(max_bytes, object_nbytes, name=kw.pop("shm_name", None))
+        read_from = kw.pop("read_from", None)
+        if read_from:  # other engines' segments on this host (P/D): read through to them
+            from auxout.stores.read_through import ReadThroughStore
+
+            inner = ReadThroughStore(inner, [str(a) for a in read_from])
     elif name == "redis":
         from auxout.stores.redis import RedisStore
 

@@ -157,9 +157,11 @@ def run_scenario(sc: dict) -> int:
                 assert peer.reset_prefix_cache()
             if connector is not None:
                 connector.saved.clear()  # new weights: saved KV is stale too
-    eng.close()
-    if peer is not None:
+    if peer is not None:  # a shared inner store: both writers drain before either closes it
+        peer.store.flush()
+        eng.store.flush()
         peer.close()
+    eng.close()
     return checked
 
 

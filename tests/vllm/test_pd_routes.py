@@ -92,14 +92,15 @@ def redis_keys(url: str) -> int:
         client.close()
 
 
-@pytest.mark.parametrize("length", [100, 4 * BLOCK + 1])  # unaligned, and one past a block boundary
+@pytest.mark.parametrize("length", [100, 4 * BLOCK])  # unaligned and block-aligned prompts
 def test_decode_side_returns_whole_sequence_routes(prefill, decode, oracle, length):
     prompt = random_prompt(np.random.default_rng(length), length)
     p = gen(prefill, prompt, 1)
     oracle.check(prompt, p.outputs[0])
     d = gen(decode, prompt, 12)
-    full = (length - 1) // BLOCK * BLOCK  # ExampleConnector loads whole blocks of prompt[:-1]
+    full = (length - 2) // BLOCK * BLOCK  # what ExampleConnector saves and loads (whole blocks)
     assert d.num_cached_tokens == full, "the decode side must load the prompt's KV through the connector"
+    assert "auxout_recomputed_tokens" not in (d.kv_transfer_params or {}), "routes were in Redis: no recompute"
     oracle.check(prompt, d.outputs[0])
     # the decode side never ran those prompt tokens: their routes came from Redis, exact
     assert np.array_equal(d.outputs[0].routed_experts[: full - 1], p.outputs[0].routed_experts[: full - 1])
@@ -121,28 +122,31 @@ def test_prompt_start_and_prefix_hits_on_both_sides(prefill, decode, oracle):
 
 def test_replicas_sharing_a_namespace_publish_a_common_prefix_once(prefill, decode, oracle, redis_url):
     rng = np.random.default_rng(11)
-    common = random_prompt(rng, 4 * BLOCK)
-    a = common + random_prompt(rng, 7)
+    common = random_prompt(rng, 3 * BLOCK)
+    a = common + random_prompt(rng, 40)
     gen(prefill, a, 1)
     before = redis_keys(redis_url)
-    b = common + random_prompt(rng, 9)  # not saved by the connector: the decode engine computes it
+    # ExampleConnector matches whole saved prompts, so b's KV is not found: the decode engine
+    # computes b, including the 3 blocks it shares with a
+    b = common + random_prompt(rng, 40)
     d = gen(decode, b, 6)
     assert d.num_cached_tokens == 0
     oracle.check(b, d.outputs[0])
-    # both engines computed the 4 common blocks; the second write of each is a no-op (first wins)
-    assert redis_keys(redis_url) == before, "a common prefix must be stored once across replicas"
+    # b has 4 full blocks of routes: the 3 common ones were already stored (first write wins)
+    assert redis_keys(redis_url) == before + 1, "a common prefix must be stored once across replicas"
 
 
 def test_in_process_store_recomputes_external_kv_and_warns(model_path, kv_dir, prefill, oracle, capfd):
-    prompt = random_prompt(np.random.default_rng(21), 90)
+    prompt = random_prompt(np.random.default_rng(21), 90)  # ExampleConnector saves 64 tokens of it
     gen(prefill, prompt, 1)  # KV saved to the directory; routes only in Redis
     engine = pd_engine(model_path, kv_dir, "kv_consumer")  # default in-process store
     try:
-        err = capfd.readouterr().err
-        assert "cannot bring its routes" in err, "auxout must warn that external KV comes without routes"
+        captured = capfd.readouterr()
+        assert "cannot bring its routes" in captured.out + captured.err, "auxout must warn at startup"
         d = gen(engine, prompt, 8)
         assert d.outputs[0].finish_reason == "length", d.outputs[0].stop_reason
         assert d.num_cached_tokens == 0, "the external hit must be clipped: its routes are not readable"
+        assert (d.kv_transfer_params or {}).get("auxout_recomputed_tokens") == 64, d.kv_transfer_params
         oracle.check(prompt, d.outputs[0])
     finally:
         close_llm(engine)
@@ -160,6 +164,7 @@ def test_restarted_engine_serves_old_prefixes_without_recompute(model_path, kv_d
     try:
         d = gen(restarted, prompt, 6)
         assert d.num_cached_tokens == 3 * BLOCK, "the restarted engine must reuse the saved KV (no recompute)"
+        assert "auxout_recomputed_tokens" not in (d.kv_transfer_params or {})
         oracle.check(prompt, d.outputs[0])
     finally:
         close_llm(restarted)

@@ -40,10 +40,13 @@ def test_evicted_prefix_is_recomputed_with_exact_routes(llm, model_path):
     for p, o in zip(prompts, outs, strict=True):
         oracle.check(p, o.outputs[0])
     again = prompts[0] + list(outs[0].outputs[0].token_ids) + random_prompt(rng, 5)
+    recomputed = []
     for _ in range(2):  # the same prompt twice: never a sticky failure
         (hit,) = llm.generate([{"prompt_token_ids": again}], greedy(10), use_tqdm=False)
         assert hit.outputs[0].finish_reason == "length", hit.outputs[0].stop_reason
         oracle.check(again, hit.outputs[0])
+        recomputed.append((hit.kv_transfer_params or {}).get("auxout_recomputed_tokens", 0))
+    assert recomputed[0] > 0, "the KV cache held the prefix, the 2-object store did not: recomputed"
     fresh = random_prompt(rng, 20)
     (ok,) = llm.generate([{"prompt_token_ids": fresh}], greedy(5), use_tqdm=False)
     oracle.check(fresh, ok.outputs[0])

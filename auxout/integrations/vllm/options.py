@@ -21,6 +21,8 @@ OUTPUT_FLAG = "routed_experts_output"
 """``SamplingParams.extra_args`` key choosing ``"inline"`` rows or a ``"keys"`` manifest per request."""
 MANIFEST_FIELD = "auxout_routes_manifest"
 """Key of the route manifest inside ``RequestOutput.kv_transfer_params`` (keys-only output)."""
+RECOMPUTED_FIELD = "auxout_recomputed_tokens"
+"""Key in a finished request's ``kv_transfer_params``: prefix-hit tokens recomputed for lack of routes."""
 INLINE_REASON_FIELD = "auxout_routes_inline_reason"
 """Key in ``kv_transfer_params`` when a keys-only request got its rows inline (manifest unpublishable)."""
 SHARED_STORES = ("redis", "mooncake")

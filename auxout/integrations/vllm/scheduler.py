@@ -32,6 +32,7 @@ from auxout.integrations.vllm.options import (
     INLINE_REASON_FIELD,
     MANIFEST_FIELD,
     OUTPUT_FLAG,
+    RECOMPUTED_FIELD,
     REQUEST_FLAG,
     SHARED_STORES,
     VllmOptions,
@@ -76,6 +77,11 @@ def make_remote_contains(opts: VllmOptions, max_object_nbytes: int) -> Callable[
     Opened on first use; ``max_object_nbytes`` only bounds payload checks (``contains`` reads no
     payload). None for an in-process store, which no other instance can fill.
     """
+    peers = list(opts.store_options.get("read_from") or []) if opts.store == "shm" else []
+    if peers:  # shared memory on one host: the segments of the engines this one reads from
+        from auxout.stores.read_through import peers_contains
+
+        return peers_contains(peers)
     if opts.store not in SHARED_STORES:
         return None
     client: list[BlockStore] = []
@@ -110,6 +116,7 @@ class SchedulerBridge:
         self.held = HeldRows()
         self.manifests: dict[str, dict[str, Any]] = {}
         self.taken: set[str] = set()  # requests vLLM took output for this step
+        self.recomputed: dict[str, int] = {}  # prefix-hit tokens recomputed per live request
 
     def build_connector_meta(self, scheduler_output: Any, requests: Mapping[str, Request]) -> Any:
         return self.connector.build_metadata(scheduler_output.num_scheduled_tokens, requests)
@@ -235,6 +242,8 @@ class AuxoutScheduler(Scheduler):
         connector.get_num_new_matched_tokens = get_num_new_matched_tokens
 
     def _auxout_log_recompute(self, request: Request, n: int, source: str) -> None:
+        rid = request.request_id
+        self.auxout.recomputed[rid] = self.auxout.recomputed.get(rid, 0) + n
         logger.info(
             "auxout: recomputing %d prefix tokens of request %s from the %s: their routes are not readable "
             "(total recomputed: %d tokens)",
@@ -299,7 +308,7 @@ class AuxoutScheduler(Scheduler):
             )  # fmt: skip
         if self.auxout.failed:
             self._fail_requests(outputs)
-        if self.auxout.manifests or self.auxout.connector.inline_fallbacks:
+        if self.auxout.manifests or self.auxout.connector.inline_fallbacks or self.auxout.recomputed:
             self._attach_manifests(outputs)
         return outputs
 
@@ -310,12 +319,15 @@ class AuxoutScheduler(Scheduler):
                 manifest = self.auxout.manifests.pop(out.request_id, None)
                 if manifest is not None:
                     out.kv_transfer_params = {**(out.kv_transfer_params or {}), MANIFEST_FIELD: manifest}
+                if out.finish_reason is not None and out.request_id in self.auxout.recomputed:
+                    n = self.auxout.recomputed.pop(out.request_id)
+                    out.kv_transfer_params = {**(out.kv_transfer_params or {}), RECOMPUTED_FIELD: n}
                 reason = self.auxout.connector.inline_fallbacks.pop(out.request_id, None)
                 if reason is not None:  # keys-only asked, rows inline: say why
                     out.kv_transfer_params = {**(out.kv_transfer_params or {}), INLINE_REASON_FIELD: reason}
-        for rid in list(self.auxout.manifests):
-            if rid not in self.requests:
-                del self.auxout.manifests[rid]
+        for pending in (self.auxout.manifests, self.auxout.recomputed):
+            for rid in [r for r in pending if r not in self.requests]:
+                del pending[rid]
 
     def _fail_requests(self, outputs: dict[int, Any]) -> None:
         """Finish requests whose routes failed, with ``finish_reason=error`` on their output."""
