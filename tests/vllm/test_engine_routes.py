@@ -114,13 +114,15 @@ def test_opt_out_still_publishes_prefix(llm, oracle):
     oracle.check(second, c2)
 
 
-def test_bad_opt_out_value_fails_only_that_request(llm, oracle):
+def test_bad_opt_out_value_is_rejected_before_the_engine(llm, oracle):
+    from vllm.exceptions import VLLMValidationError
+
     prompt = random_prompt(np.random.default_rng(8), 20)
-    comps, outs = run(
-        llm, [prompt, prompt], [greedy(4, extra_args={"return_routed_experts": "no"}), greedy(4)]
-    )
-    assert outs[0].outputs[0].finish_reason == "error"
-    oracle.check(prompt, comps[1])
+    for bad in ("no", 0):  # offline the flag is a real bool
+        with pytest.raises(VLLMValidationError, match="return_routed_experts"):
+            run(llm, [prompt], greedy(4, extra_args={"return_routed_experts": bad}))
+    (c,), _ = run(llm, [prompt], greedy(4))
+    oracle.check(prompt, c)
 
 
 def test_concurrent_requests_sharing_a_prefix(llm, oracle):
@@ -171,3 +173,68 @@ def test_reset_prefix_cache_between_turns(llm, oracle):
     (c3,), (o3,) = run(llm, [third], greedy(6))
     assert o3.num_cached_tokens >= 64
     oracle.check(third, c3)
+
+
+def _seeded(max_tokens: int, seed: int):
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, ignore_eos=True, detokenize=False)
+
+
+def test_seeded_sampling_with_chunked_prefill(llm, oracle):
+    """vLLM-CPU died here (``CPU Generator does not use offset``); auxout's CPU worker fixes the cause.
+
+    The 200-token prompts run in 64-token chunks, so vLLM samples and discards a token after each
+    partial chunk. Run again, the prompts hit the prefix cache (192 tokens) and prefill in one
+    step: the same seeds must then give the same tokens, so the discarded samples left each
+    generator untouched, as vLLM's CUDA rewind does.
+    """
+    rng = np.random.default_rng(50)
+    prompts = [random_prompt(rng, 200) for _ in range(3)]
+    params = [_seeded(8, seed) for seed in (1, 2, 3)]
+    comps, outs = run(llm, prompts, params)
+    for p, c in zip(prompts, comps, strict=True):
+        assert c.finish_reason == "length"
+        oracle.check(p, c)
+    again, outs2 = run(llm, prompts, params)
+    assert all(o.num_cached_tokens >= 192 for o in outs2)
+    assert [list(c.token_ids) for c in again] == [list(c.token_ids) for c in comps]
+    fresh = random_prompt(rng, 30)
+    (c,), _ = run(llm, [fresh], greedy(4))
+    oracle.check(fresh, c)
+
+
+def test_out_of_vocabulary_token_is_rejected_before_the_engine(llm, oracle, model_path):
+    """Without a tokenizer vLLM skips its vocabulary check and the embedding's IndexError kills the engine."""
+    import json
+    import os
+
+    from vllm.exceptions import VLLMValidationError
+
+    with open(os.path.join(model_path, "config.json")) as fh:
+        vocab = json.load(fh)["vocab_size"]
+    prompt = random_prompt(np.random.default_rng(51), 20)
+    for bad in (vocab, vocab + 5000, -1):
+        with pytest.raises(VLLMValidationError, match=f"token id {bad} at position 7 is out of vocabulary"):
+            run(llm, [prompt[:7] + [bad] + prompt[8:]], greedy(4))
+    (c,), _ = run(llm, [prompt[:7] + [vocab - 1] + prompt[8:]], greedy(4))
+    oracle.check(prompt[:7] + [vocab - 1] + prompt[8:], c)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"routed_experts_prompt_start": True},
+        {"routed_experts_prompt_start": 2.0},
+        {"routed_experts_prompt_start": "5"},
+        {"extra_args": {"routed_experts_prompt_start": 5}},
+        {"extra_args": {"routed_experts_output": "keys"}},  # this engine has no shared store
+    ],
+)
+def test_route_fields_have_strict_types_offline(llm, kw):
+    from vllm.exceptions import VLLMValidationError
+
+    prompt = random_prompt(np.random.default_rng(52), 20)
+    field = "routed_experts_output" if "routed_experts_output" in str(kw) else "routed_experts_prompt_start"
+    with pytest.raises(VLLMValidationError, match=field):
+        run(llm, [prompt], greedy(4, **kw))

@@ -45,7 +45,7 @@ def test_engine_kwargs_carry_options():
     kw = engine_kwargs(max_bytes=4096, default_return=False)
     assert kw["scheduler_cls"].endswith("AuxoutSchedulerSelector")  # sync or async, as vLLM decides
     assert kw["worker_cls"].endswith("AuxoutCPUWorker")
-    assert kw["enable_prefix_caching"] is True and "async_scheduling" not in kw
+    assert "enable_prefix_caching" not in kw and "async_scheduling" not in kw  # so a user may pass them too
     assert options_from_vllm_config(_Cfg(kw["additional_config"])) == VllmOptions(max_bytes=4096, default_return=False)
     with pytest.raises(ValueError):
         engine_kwargs(store_name="arena")
@@ -69,9 +69,15 @@ def test_request_flag_normalization_and_check():
     from auxout.integrations.vllm.validation import check_request_flag
 
     assert normalize_flag(0) is False and normalize_flag(1) is True and normalize_flag(2) == 2
-    check_request_flag(SamplingParams(extra_args={"return_routed_experts": 0}))
-    with pytest.raises(VLLMValidationError, match="return_routed_experts"):
-        check_request_flag(SamplingParams(extra_args={"return_routed_experts": "no"}))
+    check_request_flag(SamplingParams(extra_args={"return_routed_experts": 0}), flag_as_int=True)  # behind HTTP
+    for bad in (0, 1, "no"):  # offline the flag is a real bool
+        with pytest.raises(VLLMValidationError, match="return_routed_experts"):
+            check_request_flag(SamplingParams(extra_args={"return_routed_experts": bad}), flag_as_int=False)
+    with pytest.raises(VLLMValidationError, match="top-level"):
+        check_request_flag(SamplingParams(extra_args={"routed_experts_prompt_start": 3}))
+    with pytest.raises(VLLMValidationError, match="shared|reach"):
+        check_request_flag(SamplingParams(extra_args={"routed_experts_output": "keys"}), store="arena")
+    check_request_flag(SamplingParams(extra_args={"routed_experts_output": "keys"}), store="redis")
 
 
 def test_rejected_rows_count_only_drafted_requests():

@@ -25,13 +25,20 @@ def engine_kwargs(**options: Any) -> dict[str, Any]:
     ``options`` are :class:`VllmOptions` fields (``store``, ``max_bytes``, ``default_return``,
     ``namespace``, ``store_options``); they travel in ``additional_config["auxout"]``, which
     vLLM pickles into its engine-core and worker processes.
+
+    Prefix caching is not set here (vLLM turns it on by default for every model that supports it),
+    so ``LLM(path, enable_prefix_caching=True, **engine_kwargs())`` works; the worker refuses to
+    start, saying why, if it ends up off. Also installs auxout's request checks in this process
+    (where vLLM builds requests), so bad inputs fail with a clear error before the engine.
     """
+    from auxout.integrations.vllm.validation import install_request_validation
+
     opts = VllmOptions.from_dict(options)
+    install_request_validation()
     return {
         "scheduler_cls": SCHEDULER_CLS,
         "worker_cls": default_worker_cls(),
         "additional_config": {CONFIG_KEY: opts.to_dict()},
-        "enable_prefix_caching": True,
         # async_scheduling is left to vLLM: the scheduler class follows the final setting.
     }
 

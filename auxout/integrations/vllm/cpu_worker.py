@@ -1,21 +1,112 @@
-"""The CPU worker with routes (its own module: vLLM's CPU worker imports CPU-only code)."""
+"""The CPU worker with routes (its own module: vLLM's CPU worker imports CPU-only code).
+
+It also fixes an engine-killing vLLM-CPU bug that our users meet through us. When a request's
+prefill is chunked, vLLM samples a token after every chunk and throws away all but the last one;
+to keep a seeded request reproducible it then rewinds that request's generator with
+``gen.set_offset(gen.get_offset() - 4)`` (``GPUModelRunner._bookkeeping_sync``, inherited by the
+CPU runner). That is CUDA's Philox counter: a CPU ``torch.Generator`` (Mersenne Twister) has no
+offset, so the call raises ``RuntimeError: CPU Generator does not use offset`` and the engine dies
+on any seeded sampled request whose prompt spans more than one step. The CPU equivalent of the
+rewind is to save the generator's state before sampling and restore it afterwards for the
+requests whose sample is discarded; :func:`install_seeded_chunk_fix` does that on the worker's
+model runner, and hides those generators from the CUDA rewind.
+"""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
+import torch
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from auxout.integrations.vllm.worker import AuxoutWorkerMixin
 
+MLA_ON_CPU = (
+    "auxout routes need prefix caching, and vLLM-CPU turns prefix caching (and chunked prefill) off for "
+    "models with multi-head latent attention (MLA: {arch}) whatever was requested. Serve this "
+    "architecture on GPU, or use one vLLM-CPU runs with prefix caching (qwen3_moe, qwen2_moe, mixtral, "
+    "olmoe, gpt_oss)."
+)
+
+
+def _discarded_generators(runner: Any) -> dict[int, torch.Generator]:
+    """Generators of this step's requests whose sampled token vLLM will throw away (partial prefill)."""
+    batch = runner.input_batch
+    gens: dict[int, torch.Generator] = batch.generators
+    if not gens:
+        return {}
+    mask = runner.discard_request_mask.np[: batch.num_reqs]
+    if not mask.any():
+        return {}
+    return {int(i): gens[int(i)] for i in np.flatnonzero(mask) if int(i) in gens}
+
+
+@contextlib.contextmanager
+def _hidden(gens: dict[int, torch.Generator], hide: dict[int, torch.Generator]) -> Iterator[None]:
+    """Take ``hide`` out of ``gens`` for the duration (vLLM's CUDA-only rewind then skips them)."""
+    for i in hide:
+        del gens[i]
+    try:
+        yield
+    finally:
+        gens.update(hide)
+
+
+def install_seeded_chunk_fix(runner: Any) -> None:
+    """Make seeded sampling with chunked prefill work on a CPU model runner (idempotent).
+
+    ``_sample`` keeps the random state of discarded samples unchanged (as the CUDA rewind does),
+    and ``_bookkeeping_sync`` no longer sees those generators, so it does not call ``set_offset``.
+    """
+    if getattr(runner, "_auxout_seed_fix", False):
+        return
+    sample = runner._sample
+    bookkeeping = runner._bookkeeping_sync
+
+    def _sample(*args: Any, **kwargs: Any) -> Any:
+        discarded = _discarded_generators(runner)
+        if not discarded:
+            return sample(*args, **kwargs)
+        states = {i: g.get_state() for i, g in discarded.items()}
+        try:
+            return sample(*args, **kwargs)
+        finally:
+            for i, g in discarded.items():
+                g.set_state(states[i])
+
+    def _bookkeeping_sync(*args: Any, **kwargs: Any) -> Any:
+        discarded = _discarded_generators(runner)
+        if not discarded:
+            return bookkeeping(*args, **kwargs)
+        with _hidden(runner.input_batch.generators, discarded):
+            return bookkeeping(*args, **kwargs)
+
+    runner._sample = _sample
+    runner._bookkeeping_sync = _bookkeeping_sync
+    runner._auxout_seed_fix = True
+
 
 class AuxoutCPUWorker(AuxoutWorkerMixin, CPUWorker):
-    """vLLM's CPU worker plus route capture and auxout's worker connector."""
+    """vLLM's CPU worker plus route capture, auxout's worker connector and the seeded-chunk fix."""
+
+    def init_device(self) -> None:
+        super().init_device()
+        install_seeded_chunk_fix(self.model_runner)
 
     def compile_or_warm_up_model(self, *args: Any, **kwargs: Any) -> Any:
         result = super().compile_or_warm_up_model(*args, **kwargs)
         ensure_pp_receive_buffers(self.model_runner)
         return result
+
+    def _auxout_build_connector(self, kv_cache_config: Any) -> None:
+        model = self.vllm_config.model_config
+        if getattr(model, "use_mla", False) and not self.vllm_config.cache_config.enable_prefix_caching:
+            arch = getattr(model.hf_config, "model_type", "?")
+            raise ValueError(MLA_ON_CPU.format(arch=arch))
+        super()._auxout_build_connector(kv_cache_config)
 
 
 def ensure_pp_receive_buffers(runner: Any) -> None:

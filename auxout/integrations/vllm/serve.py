@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from auxout.integrations.vllm.config import engine_kwargs
+from auxout.integrations.vllm.http_checks import MIDDLEWARE
 from auxout.integrations.vllm.options import CONFIG_KEY, ENV_VAR, VllmOptions
 
 
@@ -192,6 +193,7 @@ def _split(argv: Sequence[str], env: str | None) -> tuple[list[str], argparse.Na
         "--worker-cls", kw["worker_cls"],
         "--additional-config", json.dumps(extra),
         "--enable-prefix-caching",
+        "--middleware", MIDDLEWARE,
     ]  # fmt: skip
     return vargs, ours
 
@@ -223,6 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     from auxout.integrations.vllm import http_routes
+    from auxout.integrations.vllm.http_checks import install_failure_reasons
     from auxout.integrations.vllm.validation import install_request_validation
 
     cli_env_setup()
@@ -230,7 +233,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parsed = parser.parse_args(vargs)
     configure_logging_from_args(parsed)
     validate_parsed_serve_args(parsed)
-    install_request_validation()
+    install_request_validation(flag_as_int=True)  # the middleware checked the raw JSON bool
+    install_failure_reasons()
     http_routes.install(ours.options, max_sessions=ours.auxout_max_sessions, max_session_tokens=ours.auxout_max_session_tokens)
     uvloop.run(run_server(parsed))
     return 0

@@ -1,47 +1,148 @@
-"""Frontend-side check of auxout's per-request option, so bad values fail with HTTP 400.
+"""Frontend-side checks, so a bad request fails alone with a clear error (HTTP 400) and never reaches the engine.
 
-vLLM already rejects a bad ``routed_experts_prompt_start`` in its input processor (type via the
-OpenAI protocol, range against the prompt length). The ``return_routed_experts`` flag rides in
-``extra_args`` (``vllm_xargs`` over HTTP), which vLLM does not inspect; without this check a
-non-boolean would only fail later, inside the engine, as ``finish_reason="error"``.
+Each of auxout's per-request fields has one place:
+
+- ``routed_experts_prompt_start``: ``SamplingParams.routed_experts_prompt_start`` offline, the
+  top-level body field over HTTP. A non-negative int (no bool, no string, no float); vLLM checks
+  it against the prompt length.
+- ``return_routed_experts`` and ``routed_experts_output``: ``SamplingParams.extra_args`` offline,
+  ``vllm_xargs`` over HTTP. A bool, and ``"inline"`` or ``"keys"``.
+
+The same field in the other place is rejected, never silently ignored. vLLM turns a JSON
+``false`` in ``vllm_xargs`` into ``0``, so behind the HTTP server (where
+:mod:`auxout.integrations.vllm.http_checks` has already checked the raw JSON) the flag may be
+0/1; offline it must be a real bool.
+
+vLLM also skips its vocabulary check on prompt token ids when it runs without a tokenizer
+(``skip_tokenizer_init``), and an id >= the vocabulary size then kills the engine (IndexError in
+the embedding); :func:`check_prompt_token_ids` makes that check against the model's vocabulary.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-from auxout.integrations.vllm.options import OUTPUT_FLAG, REQUEST_FLAG, normalize_flag
+import numpy as np
 
+from auxout.integrations.vllm.options import (
+    OUTPUT_FLAG,
+    REQUEST_FLAG,
+    SHARED_STORES,
+    normalize_flag,
+    options_from_vllm_config,
+)
+
+PROMPT_START = "routed_experts_prompt_start"
 _INSTALLED = False
+_FLAG_AS_INT = False  # True behind the HTTP server: vLLM turned the JSON bool into 0/1 after our raw check
 
 
-def check_request_flag(params: Any) -> None:
-    """Raise vLLM's validation error (HTTP 400) for a non-bool opt-in/out flag or an unknown output mode."""
+def _error(message: str, parameter: str, value: object) -> Exception:
     from vllm.exceptions import VLLMValidationError
 
+    return VLLMValidationError(message, parameter=parameter, value=value)
+
+
+def check_request_flag(params: Any, *, flag_as_int: bool | None = None, store: str | None = None) -> None:
+    """Raise vLLM's validation error (HTTP 400) for a bad auxout field on ``SamplingParams``.
+
+    ``flag_as_int``: accept 0/1 for ``return_routed_experts`` (default: only behind the HTTP server).
+    ``store``: the engine's route store, when known (keys-only output needs a shared one).
+    """
+    as_int = _FLAG_AS_INT if flag_as_int is None else flag_as_int
     extra = getattr(params, "extra_args", None) or {}
-    if REQUEST_FLAG in extra and not isinstance(normalize_flag(extra[REQUEST_FLAG]), bool):
-        raise VLLMValidationError(
-            f"{REQUEST_FLAG} must be a boolean", parameter=REQUEST_FLAG, value=extra[REQUEST_FLAG]
-        )
+    if REQUEST_FLAG in extra:
+        value = extra[REQUEST_FLAG]
+        if not isinstance(normalize_flag(value) if as_int else value, bool):
+            raise _error(
+                f"{REQUEST_FLAG} must be true or false (in extra_args / vllm_xargs), got {value!r}",
+                REQUEST_FLAG,
+                value,
+            )
     if OUTPUT_FLAG in extra and extra[OUTPUT_FLAG] not in ("inline", "keys"):
-        raise VLLMValidationError(
-            f"{OUTPUT_FLAG} must be 'inline' or 'keys'", parameter=OUTPUT_FLAG, value=extra[OUTPUT_FLAG]
+        raise _error(
+            f"{OUTPUT_FLAG} must be 'inline' or 'keys' (in extra_args / vllm_xargs), got {extra[OUTPUT_FLAG]!r}",
+            OUTPUT_FLAG,
+            extra[OUTPUT_FLAG],
+        )
+    if extra.get(OUTPUT_FLAG) == "keys" and store is not None and store not in SHARED_STORES:
+        raise _error(
+            f"{OUTPUT_FLAG}='keys' needs a route store the trainer can reach ({' or '.join(SHARED_STORES)}); "
+            f"this engine keeps routes in {store!r}: ask for 'inline' routes, or start it with a shared store",
+            OUTPUT_FLAG,
+            "keys",
+        )
+    if PROMPT_START in extra:
+        raise _error(
+            f"{PROMPT_START} is not read from extra_args / vllm_xargs: set it as "
+            f"SamplingParams({PROMPT_START}=N) offline, or as a top-level field of the HTTP request body",
+            PROMPT_START,
+            extra[PROMPT_START],
+        )
+    start = getattr(params, PROMPT_START, 0)
+    if start is not None and (isinstance(start, bool) or not isinstance(start, int) or start < 0):
+        raise _error(f"{PROMPT_START} must be a non-negative integer, got {start!r}", PROMPT_START, start)
+
+
+def check_prompt_token_ids(token_ids: Sequence[int] | np.ndarray, vocab_size: int) -> None:
+    """Raise vLLM's validation error (HTTP 400) for a prompt token id outside ``[0, vocab_size)``."""
+    if len(token_ids) == 0:
+        return
+    ids = np.asarray(token_ids)
+    if ids.dtype.kind not in "iu":
+        return  # not ints: vLLM's own checks report it
+    bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+    if bad.size:
+        pos = int(bad[0])
+        raise _error(
+            f"prompt token id {int(ids[pos])} at position {pos} is out of vocabulary: this model has "
+            f"{vocab_size} token ids (0..{vocab_size - 1}); {bad.size} id(s) out of range. Send token ids "
+            "from this model's tokenizer.",
+            "prompt",
+            int(ids[pos]),
         )
 
 
-def install_request_validation() -> None:
-    """Wrap vLLM's ``InputProcessor._validate_params`` with :func:`check_request_flag` (idempotent)."""
-    global _INSTALLED
+def _store_name(processor: Any) -> str | None:
+    """The route store named in the processor's config (cached on it), None if unreadable."""
+    if not hasattr(processor, "_auxout_store"):
+        try:
+            processor._auxout_store = options_from_vllm_config(processor.vllm_config).store
+        except (AttributeError, ValueError):
+            processor._auxout_store = None
+    name = processor._auxout_store
+    return name if isinstance(name, str) else None
+
+
+def install_request_validation(*, flag_as_int: bool = False) -> None:
+    """Wrap vLLM's ``InputProcessor`` checks with auxout's (idempotent; ``flag_as_int`` for the HTTP server).
+
+    Runs in the process that builds requests (the ``LLM`` caller's process, or the API server's),
+    before anything reaches the engine core.
+    """
+    global _INSTALLED, _FLAG_AS_INT
+    _FLAG_AS_INT = flag_as_int
     if _INSTALLED:
         return
     from vllm.v1.engine.input_processor import InputProcessor
 
-    original = InputProcessor._validate_params
+    validate_params = InputProcessor._validate_params
+    validate_model_input = InputProcessor._validate_model_input
 
     def _validate_params(self: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
-        check_request_flag(params)
-        return original(self, params, *args, **kwargs)
+        if hasattr(params, "extra_args"):  # SamplingParams (pooling requests carry no routes)
+            check_request_flag(params, store=_store_name(self))
+        return validate_params(self, params, *args, **kwargs)
+
+    def _validate_model_input(self: Any, prompt_input: Any, *args: Any, **kwargs: Any) -> Any:
+        result = validate_model_input(self, prompt_input, *args, **kwargs)
+        if self.tokenizer is None and prompt_input.get("type") != "embeds":
+            ids = prompt_input.get("prompt_token_ids")
+            if ids is not None:
+                check_prompt_token_ids(ids, self.model_config.get_vocab_size())
+        return result
 
     InputProcessor._validate_params = _validate_params  # type: ignore[method-assign]
+    InputProcessor._validate_model_input = _validate_model_input  # type: ignore[method-assign]
     _INSTALLED = True

@@ -1,0 +1,151 @@
+"""HTTP-side guards of ``auxout serve``: strict JSON types for auxout's fields, and failure reasons for clients.
+
+:class:`RouteFieldsCheck` is an ASGI middleware (vLLM's ``--middleware``) that reads the raw JSON
+of ``/v1/completions`` and ``/v1/chat/completions`` bodies before vLLM's pydantic models coerce
+it (they turn ``true``, ``"5"`` and ``2.0`` into ints and a ``false`` in ``vllm_xargs`` into
+``0``), and answers 400 with the field's name for a value of the wrong type.
+
+:func:`install_failure_reasons` makes a request that ends with ``finish_reason="error"`` reach
+the client as a 500 whose message is the engine's reason (auxout puts it in ``stop_reason``),
+instead of vLLM's bare "Internal server error".
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from auxout.integrations.vllm.options import OUTPUT_FLAG, REQUEST_FLAG
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+PROMPT_START = "routed_experts_prompt_start"
+_CHECKED_PATHS = ("/v1/completions", "/v1/chat/completions")
+_INSTALLED = False
+
+
+def body_problem(body: object) -> tuple[str, str] | None:
+    """``(field, message)`` for the first auxout field of a request body with a wrong JSON type, else None."""
+    if not isinstance(body, dict):
+        return None  # vLLM answers malformed bodies itself
+    start = body.get(PROMPT_START)
+    if start is not None and (isinstance(start, bool) or not isinstance(start, int) or start < 0):
+        return PROMPT_START, f"{PROMPT_START} must be a non-negative JSON integer, got {json.dumps(start)}"
+    xargs = body.get("vllm_xargs")
+    if not isinstance(xargs, dict):
+        return None
+    if PROMPT_START in xargs:
+        return (
+            f"vllm_xargs.{PROMPT_START}",
+            f"{PROMPT_START} is a top-level field of the request body, not a vllm_xargs entry: "
+            f'send {{"{PROMPT_START}": N, ...}}',
+        )
+    if REQUEST_FLAG in xargs and not isinstance(xargs[REQUEST_FLAG], bool):
+        return (
+            f"vllm_xargs.{REQUEST_FLAG}",
+            f"vllm_xargs.{REQUEST_FLAG} must be JSON true or false, got {json.dumps(xargs[REQUEST_FLAG])}",
+        )
+    if OUTPUT_FLAG in xargs and xargs[OUTPUT_FLAG] not in ("inline", "keys"):
+        return (
+            f"vllm_xargs.{OUTPUT_FLAG}",
+            f'vllm_xargs.{OUTPUT_FLAG} must be "inline" or "keys", got {json.dumps(xargs[OUTPUT_FLAG])}',
+        )
+    return None
+
+
+def error_body(message: str, param: str | None, code: int = 400) -> bytes:
+    """vLLM's (OpenAI's) error JSON."""
+    kind = "BadRequestError" if code == 400 else "InternalServerError"
+    return json.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}}).encode()
+
+
+class RouteFieldsCheck:
+    """ASGI middleware: 400 for auxout request fields of the wrong JSON type (see :func:`body_problem`)."""
+
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in _CHECKED_PATHS:
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        messages: list[Message] = []
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break  # client went away: let the app see it
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        try:
+            problem = body_problem(json.loads(b"".join(chunks)))
+        except (ValueError, RecursionError):
+            problem = None  # not JSON: vLLM answers it
+        if problem is not None:
+            field, text = problem
+            payload = error_body(text, field)
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 400,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())],
+                }
+            )
+            await send({"type": "http.response.body", "body": payload})
+            return
+        replay = iter(messages)
+
+        async def replayed() -> Message:
+            try:
+                return next(replay)
+            except StopIteration:
+                return await receive()
+
+        await self.app(scope, replayed, send)
+
+
+def failure_reason(output: Any) -> str:
+    """The message a client gets for an output with ``finish_reason="error"``."""
+    reason = getattr(output, "stop_reason", None)
+    if isinstance(reason, str) and reason:
+        return f"request failed in the engine: {reason}. The server is still up; retry the request."
+    return "request failed in the engine (no reason given; see the server log). The server is still up."
+
+
+def install_failure_reasons() -> None:
+    """Make vLLM's OpenAI servers put the engine's failure reason into the error response (idempotent).
+
+    vLLM raises ``GenerationError("Internal server error")`` from ``_raise_if_error(finish_reason,
+    request_id)``, which is not given the output; its caller's ``output`` local is (all four call
+    sites in vLLM 0.32 name it so), and carries ``stop_reason``.
+    """
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    from vllm.entrypoints.generate.base.serving import GenerateBaseServing
+    from vllm.exceptions import GenerationError
+
+    original = GenerateBaseServing._raise_if_error
+
+    def _raise_if_error(self: Any, finish_reason: str | None, request_id: str) -> None:
+        if finish_reason != "error":
+            return
+        output = sys._getframe(1).f_locals.get("output")
+        try:
+            original(self, finish_reason, request_id)
+        except GenerationError as exc:
+            raise type(exc)(failure_reason(output)) from None
+
+    GenerateBaseServing._raise_if_error = _raise_if_error  # type: ignore[method-assign]
+    _INSTALLED = True
+
+
+MIDDLEWARE = f"{__name__}.RouteFieldsCheck"
+"""The import path ``auxout serve`` passes to vLLM's ``--middleware``."""
