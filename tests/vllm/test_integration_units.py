@@ -90,3 +90,31 @@ def test_rejected_rows_count_only_drafted_requests():
         {"a": [5, 6, 7], "d": [1, 2, 3]},
     )
     assert got.tolist() == [2, 0, 0, 0]
+
+
+def test_engine_failure_reason_reaches_the_http_client():
+    """vLLM's servers said only "Internal server error"; auxout's reason (``stop_reason``) now reaches the client."""
+    import inspect
+    from types import SimpleNamespace
+
+    from vllm.entrypoints.generate.base.serving import GenerateBaseServing
+    from vllm.entrypoints.openai.chat_completion import serving as chat
+    from vllm.entrypoints.openai.completion import serving as completion
+    from vllm.exceptions import GenerationError
+
+    from auxout.integrations.vllm.http_checks import install_failure_reasons
+
+    install_failure_reasons()
+    # The patch reads its caller's ``output`` local: every vLLM call site must have one.
+    for module in (chat, completion):
+        for line in inspect.getsource(module).splitlines():
+            if "self._raise_if_error(" in line:
+                assert "output.finish_reason" in line or line.strip() == "self._raise_if_error(finish_reason, request_id)"
+    output = SimpleNamespace(finish_reason="error", stop_reason="auxout: routes of block 3 are unavailable: evicted")
+    with pytest.raises(GenerationError, match="routes of block 3 are unavailable: evicted.*retry") as info:
+        GenerateBaseServing._raise_if_error(None, output.finish_reason, "cmpl-1")
+    assert info.value.status_code == 500
+    output = SimpleNamespace(finish_reason="error", stop_reason=None)
+    with pytest.raises(GenerationError, match="no reason given; see the server log"):
+        GenerateBaseServing._raise_if_error(None, output.finish_reason, "cmpl-2")
+    GenerateBaseServing._raise_if_error(None, "length", "cmpl-3")  # not an error: no exception

@@ -1,0 +1,52 @@
+"""Start ``auxout serve`` as a real subprocess on 127.0.0.1 for a test module, and stop it."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def auxout_server(model_path: str, args: Sequence[str], log: Path, ready_s: float = 240) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Yield ``(base_url, process)`` once ``/health`` answers 200; raise with the log's tail if it does not."""
+    import httpx
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "auxout.cli", "serve", model_path, "--host", "127.0.0.1", "--port", str(port), *args]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + ready_s
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server not ready in {ready_s} s:\n{log.read_text()[-4000:]}")
+            time.sleep(1)
+        yield base, proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
