@@ -38,12 +38,11 @@ def server(model_path: str, tmp_path_factory: pytest.TempPathFactory):
         "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager", "--block-size", "32",
         "--max-model-len", "1024", "--max-num-batched-tokens", "64", "--max-num-seqs", "8", "--seed", "0",
     ]  # fmt: skip
-    with auxout_server(model_path, args, log) as (base, proc):
-        with httpx.Client(base_url=base, timeout=120) as client:
-            client.model_path = model_path  # type: ignore[attr-defined]
-            client.proc = proc  # type: ignore[attr-defined]
-            client.log = log  # type: ignore[attr-defined]
-            yield client
+    with auxout_server(model_path, args, log) as (base, proc), httpx.Client(base_url=base, timeout=120) as client:
+        client.model_path = model_path  # type: ignore[attr-defined]
+        client.proc = proc  # type: ignore[attr-defined]
+        client.log = log  # type: ignore[attr-defined]
+        yield client
 
 
 @pytest.fixture(scope="module")
