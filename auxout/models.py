@@ -181,3 +181,56 @@ def build_tiny_moe(arch: str = "qwen3_moe", *, seed: int = 0, path: str | os.Pat
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return str(out)
+
+
+SIZES: dict[str, dict[str, Any]] = {
+    # A realistic-size step (tens of ms on CPU) for throughput ratios: routing work is a per-step
+    # constant, so the tiny models overstate its share. About 470M parameters (1.9 GB in fp32).
+    "realistic": {
+        "hidden_size": 1024,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "intermediate_size": 2816,
+        "moe_intermediate_size": 128,
+        "num_experts": 64,
+        "num_experts_per_tok": 8,
+    },
+}
+"""Size presets for :func:`build_sized_moe` (Qwen3-MoE field names)."""
+
+
+def build_sized_moe(size: str = "realistic", *, seed: int = 0, path: str | os.PathLike[str] | None = None) -> str:
+    """Like :func:`build_tiny_moe` for a Qwen3-MoE of a :data:`SIZES` preset; returns its directory."""
+    if size not in SIZES:
+        raise ValueError(f"unknown model size {size!r}; choose one of {sorted(SIZES)}")
+    arch = "qwen3_moe"
+    out = Path(path) if path is not None else default_cache_dir() / "models" / f"{arch}-{size}-s{seed}"
+    tag = f"{arch}-{size}"
+    if _is_complete(out, tag, seed):
+        return str(out)
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(arch, **{**ARCHS[arch](), **SIZES[size]})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__.endswith(("TopKRouter", "TopkRouter")):
+                w = module.weight
+                w.copy_(torch.randn(w.shape, generator=gen, dtype=torch.float32) * cfg.hidden_size**-0.5)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent if out.parent.exists() else None))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        (tmp / COMPLETE_MARKER).write_text(json.dumps({"arch": tag, "seed": seed, "version": FORMAT_VERSION}))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if out.exists():
+            shutil.rmtree(out)
+        shutil.move(str(tmp), out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)

@@ -155,6 +155,15 @@ def test_malformed_bodies_are_4xx(server, oracle):
     assert_serves(server, oracle, 66)
 
 
+def test_chat_without_a_tokenizer_is_a_400(server, oracle):
+    """vLLM answers chat on a --skip-tokenizer-init server with a 500 (AssertionError); say what to do instead."""
+    for path in ("/v1/chat/completions", "/v1/chat/completions/batch", "/v1/messages"):
+        r = server.post(path, json={"model": server.model_path, "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400, r.text
+        assert "without a tokenizer" in r.json()["error"]["message"] and "/v1/completions" in r.text
+    assert_serves(server, oracle, 68)
+
+
 @pytest.mark.slow
 def test_schema_fuzz_never_500s(server, oracle):
     """schemathesis generates requests for every operation of the server's OpenAPI: none may get a 5xx."""
@@ -166,9 +175,7 @@ def test_schema_fuzz_never_500s(server, oracle):
     examples = int(os.environ.get("AUXOUT_SCHEMA_EXAMPLES", "40"))
     failures: list[str] = []
     calls = 0
-    for result in schema.get_all_operations():
-        op = result.ok()
-
+    def fuzzer(op):
         @settings(
             max_examples=examples,
             deadline=None,
@@ -178,7 +185,7 @@ def test_schema_fuzz_never_500s(server, oracle):
             suppress_health_check=list(HealthCheck),
         )
         @given(case=op.as_strategy())
-        def fuzz(case, op=op) -> None:
+        def fuzz(case) -> None:
             nonlocal calls
             calls += 1
             try:
@@ -186,10 +193,15 @@ def test_schema_fuzz_never_500s(server, oracle):
             except Exception as exc:  # the server hung up or died
                 failures.append(f"{op.label}: {type(exc).__name__}: {exc}")
                 return
-            if response.status_code >= 500:
+            # 501 is vLLM's documented answer for an API this model does not offer (/v1/systemone).
+            if response.status_code >= 500 and response.status_code != 501:
                 failures.append(f"{op.label} -> {response.status_code} {response.text[:300]} for {case.body!r:.300}")
 
-        fuzz()
+        return fuzz
+
+    for result in schema.get_all_operations():
+        op = result.ok()
+        fuzzer(op)()
         assert server.proc.poll() is None, f"server died during {op.label}:\n{server.log.read_text()[-3000:]}"
     print(f"schema fuzz: {calls} requests, {len(failures)} with 5xx")
     assert not failures, "\n".join(failures[:20])

@@ -3,7 +3,9 @@
 :class:`RouteFieldsCheck` is an ASGI middleware (vLLM's ``--middleware``) that reads the raw JSON
 of ``/v1/completions`` and ``/v1/chat/completions`` bodies before vLLM's pydantic models coerce
 it (they turn ``true``, ``"5"`` and ``2.0`` into ints and a ``false`` in ``vllm_xargs`` into
-``0``), and answers 400 with the field's name for a value of the wrong type.
+``0``), and answers 400 with the field's name for a value of the wrong type. On a server without a
+tokenizer it also answers the chat-style APIs with a 400 that says to use ``/v1/completions``
+(vLLM itself fails them with a 500 from an ``assert tokenizer is not None``).
 
 :func:`install_failure_reasons` makes a request that ends with ``finish_reason="error"`` reach
 the client as a 500 whose message is the engine's reason (auxout puts it in ``stop_reason``),
@@ -26,6 +28,17 @@ Send = Callable[[Message], Awaitable[None]]
 
 PROMPT_START = "routed_experts_prompt_start"
 _CHECKED_PATHS = ("/v1/completions", "/v1/chat/completions")
+_CHAT_PATHS = (  # the APIs that render messages through the chat template
+    "/v1/chat/completions",
+    "/v1/chat/completions/batch",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/v1/responses",
+)
+NO_TOKENIZER = (
+    "this server runs without a tokenizer (--skip-tokenizer-init), and chat needs one to render "
+    "messages: send token ids to /v1/completions, or start the server with a tokenizer"
+)
 _INSTALLED = False
 
 
@@ -71,7 +84,14 @@ class RouteFieldsCheck:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in _CHECKED_PATHS:
+        if scope["type"] != "http" or scope.get("method") != "POST":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path")
+        if path in _CHAT_PATHS and _skips_tokenizer(scope):  # vLLM answers 500 (AssertionError)
+            await _respond(send, 400, error_body(NO_TOKENIZER, "messages"))
+            return
+        if path not in _CHECKED_PATHS:
             await self.app(scope, receive, send)
             return
         chunks: list[bytes] = []
@@ -90,15 +110,7 @@ class RouteFieldsCheck:
             problem = None  # not JSON: vLLM answers it
         if problem is not None:
             field, text = problem
-            payload = error_body(text, field)
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 400,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())],
-                }
-            )
-            await send({"type": "http.response.body", "body": payload})
+            await _respond(send, 400, error_body(text, field))
             return
         replay = iter(messages)
 
@@ -109,6 +121,19 @@ class RouteFieldsCheck:
                 return await receive()
 
         await self.app(scope, replayed, send)
+
+
+def _skips_tokenizer(scope: Scope) -> bool:
+    """Whether the vLLM app serving this request was started with ``--skip-tokenizer-init``."""
+    app = scope.get("app")
+    args = getattr(getattr(app, "state", None), "args", None)
+    return bool(getattr(args, "skip_tokenizer_init", False))
+
+
+async def _respond(send: Send, status: int, payload: bytes) -> None:
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
 
 
 def failure_reason(output: Any) -> str:

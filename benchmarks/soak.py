@@ -1,0 +1,329 @@
+"""Soak ``auxout serve``: N concurrent clients for a set time, then the same load against plain vLLM.
+
+The load mixes what an RL rollout fleet sends and meets: greedy and seeded sampled requests,
+multi-turn continuations (prefix hits with ``routed_experts_prompt_start``), clients that hang up
+before the answer (disconnects) or drop a stream after the first chunk (aborts), and bad
+requests (must be 400). The KV cache is kept small (``--kv-blocks``), so long prompts preempt each
+other, and the route store is sized from it, so it runs full. Every ``--check-every``-th
+answer's routes are compared with transformers' full forward of the same tokens (expert sets
+per token and layer).
+
+Prints: requests by outcome, wrong routes (must be 0), failed requests (5xx or a dead
+connection where none was asked for), the server's RSS over time (growth after warm-up must be
+< 5%), and p50/p99 latency of completed requests with routes on vs a plain vLLM server (same
+load, same seed, run afterwards for ``--off-duration``).
+
+    python benchmarks/soak.py [--duration 600] [--clients 8] [--off-duration 120]
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import io
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class Tally:
+    """What the clients saw; shared by their threads."""
+
+    outcomes: Counter = field(default_factory=Counter)
+    latencies: list[float] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    checked: int = 0
+    wrong: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, outcome: str, latency: float | None = None, failure: str | None = None) -> None:
+        with self.lock:
+            self.outcomes[outcome] += 1
+            if latency is not None:
+                self.latencies.append(latency)
+            if failure is not None and len(self.failures) < 50:
+                self.failures.append(failure)
+
+
+class RouteChecker:
+    """transformers fp32 full forward of the served checkpoint (one at a time: it is the oracle, not the load)."""
+
+    def __init__(self, path: str) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(1)
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.lock = threading.Lock()
+
+    def wrong_rows(self, tokens: list[int], got: np.ndarray, start: int) -> int:
+        from auxout.hf import capture_routes
+
+        with self.lock:
+            want = capture_routes(self.model, tokens)[start : len(tokens) - 1]
+        if got.shape != want.shape:
+            return max(len(want), 1)
+        return int((~(np.sort(got, -1) == np.sort(want, -1)).all(-1)).any(-1).sum())
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_server(cmd: list[str], log: Path, port: int) -> subprocess.Popen:
+    import httpx
+
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + 400
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    proc.kill()
+    raise SystemExit(f"server not ready in 400 s:\n{log.read_text()[-3000:]}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def rss_bytes(proc: subprocess.Popen) -> int:
+    """Resident memory of the server and all its children (API server, engine core, workers)."""
+    import psutil
+
+    try:
+        root = psutil.Process(proc.pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
+    total = 0
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            total += p.memory_info().rss
+    return total
+
+
+def client_loop(
+    cid: int, base: str, model: str, routes: bool, stop_at: float, args: argparse.Namespace, tally: Tally,
+    checker: RouteChecker | None,
+) -> None:  # fmt: skip
+    """One client: a random mix of request kinds until ``stop_at``."""
+    import httpx
+
+    rng = random.Random(args.seed * 1000 + cid)
+    history: list[int] = []  # the conversation so far (multi-turn continuations)
+    n = 0
+    with httpx.Client(base_url=base, timeout=300) as client:
+        while time.monotonic() < stop_at:
+            n += 1
+            kind = rng.choices(
+                ["greedy", "seeded", "turn", "disconnect", "abort", "bad"], weights=[30, 20, 25, 8, 8, 4]
+            )[0]
+            if kind == "turn" and history and len(history) < 700:
+                prompt = history + [rng.randrange(3, 1000) for _ in range(rng.randint(5, 40))]
+                start = len(history) - 1
+            else:
+                prompt = [rng.randrange(3, 1000) for _ in range(rng.choice([24, 64, 150, 300, 480]))]
+                start = 0
+                kind = "greedy" if kind == "turn" else kind
+            body: dict[str, Any] = {
+                "model": model, "prompt": prompt, "max_tokens": rng.choice([8, 16, 32]), "ignore_eos": True,
+                "return_token_ids": True, "temperature": 0,
+            }  # fmt: skip
+            if kind == "seeded":
+                body.update(temperature=1.0, seed=rng.randrange(1 << 30))
+            if routes and start:
+                body["routed_experts_prompt_start"] = start
+            t0 = time.perf_counter()
+            try:
+                if kind == "disconnect":
+                    try:
+                        client.post("/v1/completions", json=body, timeout=rng.uniform(0.02, 0.3))
+                        tally.add("disconnect-late")  # answered before we hung up
+                    except httpx.TimeoutException:
+                        tally.add("disconnect")
+                    continue
+                if kind == "abort":
+                    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                        for _ in r.iter_lines():
+                            break
+                    tally.add("abort")
+                    continue
+                if kind == "bad":
+                    bad = rng.choice([
+                        {"routed_experts_prompt_start": True}, {"prompt": [10**6]},
+                        {"vllm_xargs": {"return_routed_experts": 0}}, {"routed_experts_prompt_start": "3"},
+                    ])  # fmt: skip
+                    if not routes:
+                        bad = {"prompt": -5}
+                    r = client.post("/v1/completions", json={**body, **bad})
+                    ok = r.status_code == 400
+                    tally.add("bad-400" if ok else "failed", failure=None if ok else f"bad {bad}: {r.status_code}")
+                    continue
+                r = client.post("/v1/completions", json=body)
+            except httpx.HTTPError as exc:
+                tally.add("failed", failure=f"{kind}: {type(exc).__name__}: {exc}")
+                continue
+            dt = time.perf_counter() - t0
+            if r.status_code != 200:
+                tally.add("failed", failure=f"{kind}: {r.status_code} {r.text[:300]}")
+                continue
+            choice = r.json()["choices"][0]
+            tally.add(kind, latency=dt)
+            out = list(choice["token_ids"])
+            if kind == "greedy" or kind == "turn" or kind == "seeded":
+                history = (prompt + out) if rng.random() < 0.7 else []
+            if not routes or checker is None or n % args.check_every:
+                continue
+            b64 = choice.get("routed_experts")
+            if b64 is None:
+                tally.add("failed", failure=f"{kind}: no routes in a 200 answer")
+                continue
+            got = np.load(io.BytesIO(base64.b64decode(b64)))
+            bad_rows = checker.wrong_rows(prompt + out, got, start)
+            with tally.lock:
+                tally.checked += 1
+                tally.wrong += bad_rows
+                if bad_rows:
+                    tally.failures.append(f"{kind}: {bad_rows} wrong route rows (prompt {len(prompt)}, start {start})")
+
+
+def run_phase(
+    name: str, cmd: list[str], port: int, model: str, routes: bool, duration: float, args: argparse.Namespace,
+    checker: RouteChecker | None, log: Path,
+) -> tuple[Tally, list[tuple[float, int]]]:  # fmt: skip
+    proc = start_server(cmd, log, port)
+    tally = Tally()
+    samples: list[tuple[float, int]] = []
+    t_start = time.monotonic()
+    stop_at = t_start + duration
+    threads = [
+        threading.Thread(
+            target=client_loop,
+            args=(c, f"http://127.0.0.1:{port}", model, routes, stop_at, args, tally, checker),
+            daemon=True,
+        )
+        for c in range(args.clients)
+    ]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        samples.append((time.monotonic() - t_start, rss_bytes(proc)))
+        if proc.poll() is not None:
+            tally.add("failed", failure=f"{name}: server died with {proc.returncode}")
+            break
+        time.sleep(args.rss_every)
+    for t in threads:
+        t.join(timeout=330)
+    alive = proc.poll() is None
+    stop(proc)
+    if not alive:
+        print(f"[{name}] SERVER DIED; log tail:\n{log.read_text()[-3000:]}")
+    return tally, samples
+
+
+def pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def report(name: str, tally: Tally, samples: list[tuple[float, int]], duration: float) -> float | None:
+    total = sum(tally.outcomes.values())
+    print(f"\n== {name}: {total} requests in {duration:.0f} s ({total / duration:.1f}/s)")
+    print("   outcomes: " + ", ".join(f"{k} {v}" for k, v in sorted(tally.outcomes.items())))
+    print(f"   routes checked against transformers: {tally.checked}, wrong route rows: {tally.wrong}")
+    print(f"   failed requests: {tally.outcomes.get('failed', 0)}")
+    for f in tally.failures[:10]:
+        print(f"     - {f}")
+    print(f"   latency of completed requests: p50 {pct(tally.latencies, 50):.3f} s, p99 {pct(tally.latencies, 99):.3f} s")
+    if not samples:
+        return None
+    warm = [r for t, r in samples if t >= duration * 0.25]
+    if len(warm) < 4:
+        return None
+    k = max(1, len(warm) // 10)
+    base, end = float(np.median(warm[:k])), float(np.median(warm[-k:]))
+    step = max(1, len(samples) // 12)
+    print("   RSS (MiB) over time: " + ", ".join(f"{t:.0f}s {r / 2**20:.0f}" for t, r in samples[::step]))
+    growth = end / base - 1
+    print(f"   RSS after warm-up (25%): {base / 2**20:.0f} -> {end / 2**20:.0f} MiB, growth {growth * 100:+.2f}%  (must be < 5%)")
+    return growth
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--duration", type=float, default=600, help="seconds of load with routes on (default 600)")
+    p.add_argument("--off-duration", type=float, default=None, help="seconds against plain vLLM (default duration/4)")
+    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--arch", default="qwen3_moe")
+    p.add_argument("--kv-blocks", type=int, default=64, help="KV cache blocks of 32 tokens (preemption pressure)")
+    p.add_argument("--check-every", type=int, default=3, help="check every Nth answer's routes per client")
+    p.add_argument("--rss-every", type=float, default=5.0)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    off_duration = args.duration / 4 if args.off_duration is None else args.off_duration
+
+    from auxout.models import build_tiny_moe
+
+    path = build_tiny_moe(args.arch)
+    common = [
+        "--host", "127.0.0.1", "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager",
+        "--block-size", "32", "--max-model-len", "1024", "--max-num-batched-tokens", "256",
+        "--max-num-seqs", "8", "--num-gpu-blocks-override", str(args.kv_blocks), "--seed", "0",
+        "--disable-uvicorn-access-log", "--enable-prefix-caching", "--no-async-scheduling",
+    ]  # fmt: skip
+    checker = RouteChecker(path)
+    logdir = Path(tempfile.mkdtemp(prefix="auxout-soak-"))
+    results = {}
+    for name, routes, duration in (("routes on (auxout serve)", True, args.duration), ("routes off (plain vLLM)", False, off_duration)):
+        if duration <= 0:
+            continue
+        port = free_port()
+        if routes:
+            cmd = [sys.executable, "-m", "auxout.cli", "serve", path, "--port", str(port), *common]
+        else:
+            cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--port", str(port), *common]
+        print(f"[{name}] {duration:.0f} s, {args.clients} clients, log {logdir}")
+        tally, samples = run_phase(name, cmd, port, path, routes, duration, args, checker if routes else None, logdir / f"{routes}.log")
+        growth = report(name, tally, samples, duration)
+        results[routes] = (tally, growth)
+    if True in results and False in results:
+        on, off = results[True][0].latencies, results[False][0].latencies
+        print(
+            f"\nlatency ratio on/off: p50 {pct(on, 50) / pct(off, 50):.3f}, p99 {pct(on, 99) / pct(off, 99):.3f}"
+        )
+    on_tally, growth = results.get(True, (Tally(), None))
+    verdict = on_tally.wrong == 0 and on_tally.outcomes.get("failed", 0) == 0 and (growth is None or growth < 0.05)
+    print(f"\nverdict: {'PASS' if verdict else 'FAIL'} (wrong routes 0, failed requests 0, RSS growth < 5%)")
+    return 0 if verdict else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
