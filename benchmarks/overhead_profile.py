@@ -8,8 +8,10 @@ off, idle threads excluded), then read the collapsed stacks::
     python benchmarks/overhead_profile.py /tmp/overhead.txt
 
 For each process it prints the busy samples, the samples with an auxout frame on the stack,
-and the auxout functions that own them (outermost auxout frame, and the leaf where the time
-was spent, auxout's or the library it called). The routes-on and routes-off engine-core
+the samples spent in auxout's own code (the deepest auxout frame on the stack is not a wrapper
+calling back into vLLM: auxout's Python plus the numpy/torch calls it makes), and the auxout
+functions that own them, with the leaf where the time went. ``--steps-only`` keeps the steady
+state (stacks inside ``EngineCore.step`` or a worker's ``execute_model``/``sample_tokens``). The routes-on and routes-off engine-core
 processes run the same workload, so their busy-sample difference is the whole overhead,
 and the auxout share says how much of it is auxout's own code.
 """
@@ -20,6 +22,7 @@ import argparse
 import re
 from collections import Counter, defaultdict
 
+_STEP = re.compile(r"^(EngineCore\.step|\w*Worker\w*\.(execute_model|sample_tokens)) \(")
 _FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>[^():]+?)(?::(?P<line>\d+))?\)$")
 
 
@@ -43,6 +46,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("raw", help="py-spy --format raw output")
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--steps-only", action="store_true", help="only stacks inside EngineCore.step or the worker busy loop (steady state)")
     args = p.parse_args()
     busy: Counter[str] = Counter()
     ours: Counter[str] = Counter()
@@ -54,21 +58,28 @@ def main() -> int:
             if not stack or not count.isdigit():
                 continue
             frames = stack.split(";")
-            proc = frames[0] if frames[0].startswith("process ") else "?"
+            procs = [f for f in frames if f.startswith("process ")]  # parent;child;...: the last is the sampled one
+            proc = procs[-1] if procs else "?"
+            frames = [f for f in frames if not f.startswith("process ")]
+            if args.steps_only and not any(_STEP.search(f) for f in frames):
+                continue
             n = int(count)
             busy[proc] += n
-            mine = [f for f in frames if is_auxout(f)]
-            if mine:
-                ours[proc] += n
-                outer[proc][short(mine[0])] += n
-                leaf[proc][short(frames[-1])] += n
+            deepest = max((i for i, f in enumerate(frames) if is_auxout(f)), default=None)
+            if deepest is None:
+                continue
+            if any("vllm/" in f for f in frames[deepest + 1 :]):  # a wrapper calling back into vLLM: vLLM's time
+                continue
+            ours[proc] += n
+            outer[proc][short(frames[deepest])] += n
+            leaf[proc][short(frames[-1])] += n
     for proc, total in busy.most_common():
         if total < 50:
             continue
         share = ours[proc] / total
-        print(f"\n{proc[:110]}\n  busy samples {total}, with an auxout frame {ours[proc]} ({share * 100:.2f}%)")
+        print(f"\n{proc[:110]}\n  busy samples {total}, in auxout's own code {ours[proc]} ({share * 100:.2f}%)")
         if ours[proc]:
-            print("  outermost auxout frame:")
+            print("  auxout function (deepest auxout frame):")
             for name, n in outer[proc].most_common(args.top):
                 print(f"    {n / total * 100:6.2f}%  {name}")
             print("  leaf (where the time went):")
