@@ -225,6 +225,7 @@ def build_sized_moe(size: str = "realistic", *, seed: int = 0, path: str | os.Pa
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent if out.parent.exists() else None))
     try:
         model.save_pretrained(tmp, safe_serialization=True)
+        write_tokenizer(tmp, cfg.vocab_size)
         (tmp / COMPLETE_MARKER).write_text(json.dumps({"arch": tag, "seed": seed, "version": FORMAT_VERSION}))
         out.parent.mkdir(parents=True, exist_ok=True)
         if out.exists():
