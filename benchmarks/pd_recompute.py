@@ -35,7 +35,7 @@ def engine(model: str, kv_dir: str, role: str, routes: dict[str, Any]) -> Any:
     )
     return LLM(
         model=model, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, block_size=32,
-        max_model_len=4096, max_num_batched_tokens=4096, kv_transfer_config=kv, disable_log_stats=True,
+        max_model_len=2048, max_num_batched_tokens=2048, kv_transfer_config=kv, disable_log_stats=True,
         **engine_kwargs(**routes),
     )  # fmt: skip
 
