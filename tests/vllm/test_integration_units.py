@@ -78,6 +78,9 @@ def test_request_flag_normalization_and_check():
     with pytest.raises(VLLMValidationError, match="shared|reach"):
         check_request_flag(SamplingParams(extra_args={"routed_experts_output": "keys"}), store="arena")
     check_request_flag(SamplingParams(extra_args={"routed_experts_output": "keys"}), store="redis")
+    with pytest.raises(VLLMValidationError, match="return_routing_weights is not supported"):
+        check_request_flag(SamplingParams(extra_args={"return_routing_weights": True}))
+    check_request_flag(SamplingParams(extra_args={"return_routing_weights": False}))
 
 
 def test_rejected_rows_count_only_drafted_requests():

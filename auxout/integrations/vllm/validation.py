@@ -44,6 +44,9 @@ def _error(message: str, parameter: str, value: object) -> Exception:
     return VLLMValidationError(message, parameter=parameter, value=value)
 
 
+WEIGHTS_FLAG = "return_routing_weights"
+
+
 def check_request_flag(params: Any, *, flag_as_int: bool | None = None, store: str | None = None) -> None:
     """Raise vLLM's validation error (HTTP 400) for a bad auxout field on ``SamplingParams``.
 
@@ -79,6 +82,12 @@ def check_request_flag(params: Any, *, flag_as_int: bool | None = None, store: s
             f"SamplingParams({PROMPT_START}=N) offline, or as a top-level field of the HTTP request body",
             PROMPT_START,
             extra[PROMPT_START],
+        )
+    if extra.get(WEIGHTS_FLAG):  # asked for, not built yet: never silently ignored
+        raise _error(
+            f"{WEIGHTS_FLAG} is not supported yet: routes carry expert ids only (see docs/architecture.md)",
+            WEIGHTS_FLAG,
+            extra[WEIGHTS_FLAG],
         )
     start = getattr(params, PROMPT_START, 0)
     if start is not None and (isinstance(start, bool) or not isinstance(start, int) or start < 0):
