@@ -19,13 +19,18 @@ def free_port() -> int:
 
 
 @contextmanager
-def auxout_server(model_path: str, args: Sequence[str], log: Path, ready_s: float = 420) -> Iterator[tuple[str, subprocess.Popen]]:
-    """Yield ``(base_url, process)`` once ``/health`` answers 200; raise with the log's tail if it does not."""
+def auxout_server(
+    model_path: str, args: Sequence[str], log: Path, ready_s: float = 420, env: dict[str, str] | None = None
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Yield ``(base_url, process)`` once ``/health`` answers 200; raise with the log's tail if it does not.
+
+    ``env``: extra environment variables for the server (e.g. ``AUXOUT_VLLM_OPTIONS``).
+    """
     import httpx
 
     port = free_port()
     cmd = [sys.executable, "-m", "auxout.cli", "serve", model_path, "--host", "127.0.0.1", "--port", str(port), *args]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), **(env or {})}
     with open(log, "wb") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"

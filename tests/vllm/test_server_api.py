@@ -9,19 +9,16 @@ route array is checked against transformers' full forward of the exact tokens th
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import time
 from typing import Any
 
 import numpy as np
 import pytest
 from routes_oracle import Oracle, random_prompt
+from serve_proc import auxout_server
 
 from auxout.manifest import RouteManifest, fetch
 from auxout.sessions import common_prefix_len
-from auxout.testing.servers import free_port, redis_server
+from auxout.testing.servers import redis_server
 from auxout.wire import FORMATS, decode_routes
 
 pytestmark = pytest.mark.vllm
@@ -40,44 +37,21 @@ def model_path() -> str:
 @pytest.fixture(scope="module")
 def server(model_path: str, tmp_path_factory: pytest.TempPathFactory):
     with redis_server() as redis:
-        port = free_port()
         log = tmp_path_factory.mktemp("server") / "server.log"
-        cmd = [
-            sys.executable, "-m", "auxout.cli", "serve", model_path,
-            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
+        args = [
+            "--dtype", "float32", "--enforce-eager",
             "--block-size", "32", "--max-model-len", "512", "--max-num-batched-tokens", "64",
             "--enable-prompt-tokens-details", "--seed", "0",
             "--auxout-store", "redis", "--additional-config", json.dumps({"auxout": {"namespace": "http"}}),
         ]  # fmt: skip
         options = {"store_options": {"url": redis.url, "namespace": "srv"}}
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "AUXOUT_VLLM_OPTIONS": json.dumps(options)}
-        with open(log, "wb") as fh:
-            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 480
-        try:
-            while True:
-                if proc.poll() is not None:
-                    pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-                try:
-                    if httpx.get(base + "/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    pytest.fail(f"server not ready in 480 s:\n{log.read_text()[-4000:]}")
-                time.sleep(1)
-            with httpx.Client(base_url=base, timeout=120) as client:
-                client.model_path = model_path  # type: ignore[attr-defined]
-                client.openai = openai.OpenAI(base_url=base + "/v1", api_key="x", timeout=120)  # type: ignore[attr-defined]
-                yield client
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        env = {"AUXOUT_VLLM_OPTIONS": json.dumps(options)}
+        with auxout_server(model_path, args, log, ready_s=480, env=env) as (base, _), httpx.Client(
+            base_url=base, timeout=120
+        ) as client:
+            client.model_path = model_path  # type: ignore[attr-defined]
+            client.openai = openai.OpenAI(base_url=base + "/v1", api_key="x", timeout=120)  # type: ignore[attr-defined]
+            yield client
 
 
 @pytest.fixture(scope="module")

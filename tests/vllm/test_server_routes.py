@@ -8,25 +8,15 @@ from __future__ import annotations
 
 import base64
 import io
-import os
-import socket
-import subprocess
-import sys
-import time
 
 import numpy as np
 import pytest
 from routes_oracle import Oracle, random_prompt
+from serve_proc import auxout_server
 
 pytestmark = pytest.mark.vllm
 
 httpx = pytest.importorskip("httpx")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -38,41 +28,16 @@ def model_path() -> str:
 
 @pytest.fixture(scope="module")
 def server(model_path: str, tmp_path_factory: pytest.TempPathFactory):
-    port = _free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    cmd = [
-        sys.executable, "-m", "auxout.cli", "serve", model_path,
-        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-        "--enforce-eager", "--block-size", "32", "--max-model-len", "512", "--max-num-batched-tokens", "64",
-        "--enable-prompt-tokens-details", "--seed", "0",
+    args = [
+        "--dtype", "float32", "--enforce-eager", "--block-size", "32", "--max-model-len", "512",
+        "--max-num-batched-tokens", "64", "--enable-prompt-tokens-details", "--seed", "0",
     ]  # fmt: skip
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not ready in 240 s:\n{log.read_text()[-4000:]}")
-            time.sleep(1)
-        with httpx.Client(base_url=base, timeout=60) as client:
-            client.model_path = model_path  # type: ignore[attr-defined]
-            yield client
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with auxout_server(model_path, args, log, ready_s=480) as (base, _), httpx.Client(
+        base_url=base, timeout=60
+    ) as client:
+        client.model_path = model_path  # type: ignore[attr-defined]
+        yield client
 
 
 @pytest.fixture(scope="module")
