@@ -32,7 +32,7 @@ from auxout.keys import KeySpace, PackedHashes
 from auxout.metadata import NO_EMIT, StepMetadata, StepOutput
 from auxout.profile import RouteProfile
 from auxout.staging import StagingPool, staging_pool_blocks
-from auxout.stores.base import BlockStore, read_into
+from auxout.stores.base import BlockObjects, BlockStore, StoreObject, read_into
 
 _I64 = np.int64
 
@@ -78,14 +78,14 @@ class _BufferRecycler:
     chunk the scheduler or frontend still holds) is alive.
     """
 
-    _pools: dict[tuple[str, tuple[int, ...]], list[np.ndarray]] = {}
+    _pools: dict[tuple[str, str, tuple[int, ...]], list[np.ndarray]] = {}
     _lock = threading.Lock()
 
-    def __init__(self, profile: RouteProfile, keep: int = 4) -> None:
+    def __init__(self, profile: RouteProfile, keep: int = 4, kind: str = "out") -> None:
         self.profile = profile
         self.keep = keep
         with self._lock:
-            self._buffers = self._pools.setdefault((profile.dtype.str, profile.shape_per_token), [])
+            self._buffers = self._pools.setdefault((kind, profile.dtype.str, profile.shape_per_token), [])
 
     def take(self, rows: int) -> np.ndarray:
         with self._lock:
@@ -156,6 +156,9 @@ class WorkerConnector:
         self._published: list[str] = []  # keys put since the last output
         self._lost: list[str] = []  # keys dropped or found missing since the last output
         self._out_buffers = _BufferRecycler(profile)
+        # staged blocks copied out for publication: reused once the store dropped its views (a
+        # queued batch holds them until the writer applied it)
+        self._pub_buffers = _BufferRecycler(profile, keep=8, kind="publish")
 
     # -- per-slot state ---------------------------------------------------------------------
     def _alloc_slots(self, n: int) -> None:
@@ -311,7 +314,7 @@ class WorkerConnector:
         self._nkeys[s] = len(self._keys[s])
         self._sync_pins(s, retain, release)
 
-    def _put(self, objects: list[tuple[str, memoryview]], retain: Sequence[str], release: Sequence[str]) -> None:
+    def _put(self, objects: list[StoreObject], retain: Sequence[str], release: Sequence[str]) -> None:
         """Publish; a batch the store cannot fit or reach is dropped whole (its keys then read as missing)."""
         try:
             self.store.put(objects, retain=retain, release=release)
@@ -349,7 +352,7 @@ class WorkerConnector:
             release.extend(reversed(keys[target:have]))
         self._pinned[s] = target
 
-    def _collect_staged(self, slots: Sequence[int]) -> tuple[list[tuple[str, memoryview]], list[int]]:
+    def _collect_staged(self, slots: Sequence[int]) -> tuple[list[StoreObject], list[int]]:
         """Objects for staged blocks that now have keys (one copy out of the pool)."""
         keys: list[str] = []
         pool_slots: list[int] = []
@@ -363,11 +366,14 @@ class WorkerConnector:
             return [], []
         return self._objects_from_pool(keys, pool_slots), pool_slots
 
-    def _objects_from_pool(self, keys: list[str], pool_slots: list[int]) -> list[tuple[str, memoryview]]:
-        copy = self.pool.blocks[np.asarray(pool_slots, dtype=_I64)]  # one copy out of the reusable pool
+    def _objects_from_pool(self, keys: list[str], pool_slots: list[int]) -> list[StoreObject]:
+        idx = np.asarray(pool_slots, dtype=_I64)
+        bs = self.block_size
+        copy = self._pub_buffers.take(len(idx) * bs).reshape(len(idx), bs, *self.profile.shape_per_token)
+        np.take(self.pool.blocks, idx, axis=0, out=copy, mode="clip")  # one copy out of the reusable pool
         blob = memoryview(copy.reshape(-1).view(np.uint8).data)  # type: ignore[arg-type]
-        n = self.profile.block_nbytes(self.block_size)
-        return [(k, blob[i * n : (i + 1) * n]) for i, k in enumerate(keys)]
+        n = self._block_nbytes
+        return BlockObjects(((k, blob[i * n : (i + 1) * n]) for i, k in enumerate(keys)), nbytes=n)
 
     def prepare_output(
         self,
@@ -527,33 +533,34 @@ class WorkerConnector:
 
         # -- publish complete keyed blocks (whole batch, before any read) ----------------------
         retain, release = self._pins_after_capture(slots, end)
-        objects: list[tuple[str, memoryview]] = []
+        nbytes = self._block_nbytes
+        objects = BlockObjects(nbytes=nbytes)
         pool_keys: list[str] = []
         pool_pub: list[int] = []
         stage_views: list[tuple[int, int, int]] = []  # (slot, block index, row start in `rows`)
-        nbytes = self._block_nbytes
         flat = memoryview(rows.reshape(-1).view(np.uint8).data) if len(rows) else None  # type: ignore[arg-type]
-        for i in np.flatnonzero(head_done | (stop_full > first_full)).tolist():
-            s = int(slots[i])
+        todo = np.flatnonzero(head_done | (stop_full > first_full))
+        for i, s, hd, hb, b0, b1, base in zip(
+            todo.tolist(), slots[todo].tolist(), head_done[todo].tolist(), head_blk[todo].tolist(),
+            first_full[todo].tolist(), stop_full[todo].tolist(), (qs[todo] - cap[todo]).tolist(),
+        ):  # fmt: skip
             keys = self._keys[s]
             nkeys = len(keys)
-            if head_done[i]:
-                b = int(head_blk[i])
-                if b < nkeys:
-                    pool_keys.append(keys[b])
+            if hd:
+                if hb < nkeys:
+                    pool_keys.append(keys[hb])
                     pool_pub.append(int(old_tail[i]))
                 else:
-                    self._staged[s][b] = int(old_tail[i])
-            b0, b1 = int(first_full[i]), int(stop_full[i])
-            base = int(qs[i]) - int(cap[i])
-            for b in range(b0, b1):
-                start = base + b * bs
-                if b < nkeys:
-                    assert flat is not None
-                    byte0 = start * self._token_nbytes
-                    objects.append((keys[b], flat[byte0 : byte0 + nbytes]))
-                else:
-                    stage_views.append((s, b, start))
+                    self._staged[s][hb] = int(old_tail[i])
+            kb = min(b1, nkeys)
+            if kb > b0:  # keyed full blocks: zero-copy views of this step's rows
+                assert flat is not None
+                byte0 = (base + b0 * bs) * self._token_nbytes
+                starts = range(byte0, byte0 + (kb - b0) * nbytes, nbytes)
+                views = map(flat.__getitem__, map(slice, starts, range(byte0 + nbytes, starts.stop + nbytes, nbytes)))
+                objects.extend(zip(keys[b0:kb], views))
+            for b in range(max(b0, kb), b1):
+                stage_views.append((s, b, base + b * bs))
         if stage_views:
             dst = self.pool.alloc(len(stage_views))
             src = np.array([v[2] for v in stage_views], dtype=_I64)
@@ -663,7 +670,7 @@ class WorkerConnector:
 
     def _publish(
         self,
-        objects: list[tuple[str, memoryview]],
+        objects: list[StoreObject],
         pool_keys: list[str],
         pool_pub: list[int],
         retain: list[str],
@@ -671,7 +678,11 @@ class WorkerConnector:
     ) -> None:
         """One store batch: ``objects`` plus completed pool blocks (copied out, then freed)."""
         if pool_pub:
-            objects.extend(self._objects_from_pool(pool_keys, pool_pub))
+            pooled = self._objects_from_pool(pool_keys, pool_pub)
+            if objects:
+                objects.extend(pooled)
+            else:
+                objects = pooled
         if objects or retain or release:
             self._put(objects, retain, release)
         if pool_pub:

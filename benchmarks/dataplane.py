@@ -96,6 +96,7 @@ class Step:
     rejected: np.ndarray  # int64 zeros (no speculative decoding)
     emitters: list[int]  # spec indices that sampled
     finished: list[int]  # emitters that finished
+    chunked: list[int]  # scheduled, sampled nothing (a prefill chunk)
     out_rows: int  # rows the step returns to requests
     sched_out: SchedOut
 
@@ -179,7 +180,8 @@ def simulate(specs: list[Spec], initial: Sequence[int], max_steps: int) -> list[
         steps.append(
             Step(
                 admit, sched, rids, counts, np.array(starts, dtype=_I64), qsl, sampled,
-                np.zeros(len(sched), dtype=_I64), emitters, finished, out_rows,
+                np.zeros(len(sched), dtype=_I64), emitters, finished,
+                [i for k, i in enumerate(sched) if not sampled[k]], out_rows,
                 SchedOut(dict(zip(rids, counts))),
             )
         )
@@ -298,7 +300,7 @@ class Driver(Protocol):
     name: str
 
     def step(self, st: Step, rows: np.ndarray, live: dict[str, Req], admitted: list[Req]) -> Any: ...
-    def emit(self, out: Any, emitters: list[Req], finished: list[Req]) -> None: ...
+    def emit(self, out: Any, emitters: list[Req], finished: list[Req], chunked: list[Req]) -> None: ...
     def drain(self, live: dict[str, Req]) -> None: ...
     def flush(self) -> None: ...
     def close(self) -> None: ...
@@ -335,10 +337,16 @@ class AuxoutDriver:
         assert pending is not None
         return worker.process_output(pending, st.sampled, st.rejected)
 
-    def emit(self, out: StepOutput, emitters: list[Req], finished: list[Req]) -> None:
+    def emit(self, out: StepOutput, emitters: list[Req], finished: list[Req], chunked: list[Req]) -> None:
         take = self.sched.take_output
         for r in emitters:
             chunk = take(out, r, finished=r.finished)
+            if r.chunks is not None and isinstance(chunk, np.ndarray):
+                r.chunks.append(chunk)
+        # rows go out as captured: a prefill chunk that sampled nothing is collected too (the vLLM
+        # bridge holds them until the request emits, ``hold_uncollected``)
+        for r in chunked:
+            chunk = take(out, r)
             if r.chunks is not None and isinstance(chunk, np.ndarray):
                 r.chunks.append(chunk)
         for r in finished:
@@ -417,7 +425,7 @@ class VllmDriver:
         pending.routed_experts = rows
         return w.process_output(pending)
 
-    def emit(self, out: Any, emitters: list[Req], finished: list[Req]) -> None:
+    def emit(self, out: Any, emitters: list[Req], finished: list[Req], chunked: list[Req]) -> None:
         take = self.sched.take_output
         for r in emitters:
             chunk = take(r, out)
@@ -481,7 +489,7 @@ def replay(wl: Workload, make: Callable[[], Driver], verify: bool) -> RunResult:
             for r in finished:
                 r.finished = True
             t2 = perf()
-            drv.emit(out, emitters, finished)
+            drv.emit(out, emitters, finished, [reqs[i] for i in st.chunked])
             t3 = perf()
             for r in finished:
                 del live[r.request_id]

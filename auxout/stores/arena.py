@@ -39,6 +39,7 @@ class ArenaStore:
         self.num_slots = max_bytes // object_nbytes
         self._arena: np.ndarray | None = np.empty((self.num_slots, object_nbytes), dtype=np.uint8)
         self._lengths = np.zeros(self.num_slots, dtype=np.int64)
+        self._short = 0  # slots whose recorded length is neither 0 nor object_nbytes (reads check lengths)
         self._index = SlotIndex(self.num_slots, "route store (ArenaStore)", policy)
         self._lru = self._index.lru  # oldest first; value = slot (read by tests and metrics)
         self._lock = threading.Lock()
@@ -70,6 +71,9 @@ class ArenaStore:
                 return  # all already stored (first write wins) or dropped as terminal victims
             idx = np.asarray(slots, dtype=np.int64)
             sizes = [v.nbytes for v in payloads]
+            full = self.object_nbytes
+            old = self._lengths[idx]
+            self._short += len(sizes) - sizes.count(full) - int(np.count_nonzero((old != full) & (old != 0)))
             self._lengths[idx] = sizes
             if len(slots) >= _JOIN_MIN and min(sizes) == self.object_nbytes:  # one gather, one scatter
                 arena[idx] = np.frombuffer(b"".join(payloads), dtype=np.uint8).reshape(len(slots), -1)
@@ -95,8 +99,15 @@ class ArenaStore:
             arena = self._check_open()
             slots = self._index.lookup(keys, self._missing_detail())
             idx = np.asarray(slots, dtype=np.int64)
-            lengths = self._lengths[idx]
             dst = np.frombuffer(out, dtype=np.uint8)
+            if self._short == 0:  # every stored object is full size: no per-object lengths to add up
+                if len(idx) * self.object_nbytes != dst.nbytes:
+                    raise CorruptObjectError(
+                        f"{len(keys)} objects hold {len(idx) * self.object_nbytes} bytes; the reader expects {dst.nbytes}"
+                    )
+                np.take(arena, idx, axis=0, out=dst.reshape(len(idx), self.object_nbytes), mode="clip")
+                return
+            lengths = self._lengths[idx]
             if int(lengths.sum()) != dst.nbytes:
                 raise CorruptObjectError(
                     f"{len(keys)} objects hold {int(lengths.sum())} bytes; the reader expects {dst.nbytes}"

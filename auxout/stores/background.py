@@ -21,6 +21,7 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Iterable, Sequence
+from operator import itemgetter
 
 from auxout.errors import (
     BlockStoreError,
@@ -29,9 +30,9 @@ from auxout.errors import (
     StoreClosedError,
     StoreUnavailableError,
 )
-from auxout.stores.base import BlockStore, StoreObject, check_payload, read_into
+from auxout.stores.base import BlockStore, StoreObject, check_payload, read_into, trusted_batch
 
-_Item = tuple[Sequence[StoreObject], tuple[str, ...], tuple[str, ...]]
+_Item = tuple[int, Sequence[StoreObject], tuple[str, ...], tuple[str, ...]]
 
 
 class BackgroundStore:
@@ -53,8 +54,13 @@ class BackgroundStore:
         self._lost: deque[str] = deque()  # keys of dropped batches not yet drained
         self._closed = False
         self._close_lock = threading.Lock()
-        self._queued: dict[str, int] = {}  # keys with a write still in the queue
+        # key -> sequence number of the last queued batch that writes it; batches apply in order,
+        # so a key is still pending iff its number is above ``_applied_seq`` (dict updates run in
+        # C: a prefill batch has hundreds of keys)
+        self._queued: dict[str, int] = {}
         self._queued_lock = threading.Lock()
+        self._last_seq = 0  # batches queued (producer side)
+        self._applied_seq = 0  # last batch the writer finished (applied, dropped or skipped)
         self._thread = threading.Thread(target=self._run, name="auxout-store-writer", daemon=True)
         self._thread.start()
 
@@ -64,8 +70,9 @@ class BackgroundStore:
         retain_t, release_t = tuple(retain), tuple(release)
         if not objects and not retain_t and not release_t:
             return
-        for key, payload in objects:  # a bad payload is the caller's error, not a writer failure
-            check_payload(key, payload, self.object_nbytes)
+        if not trusted_batch(objects, self.object_nbytes):
+            for key, payload in objects:  # a bad payload is the caller's error, not a writer failure
+                check_payload(key, payload, self.object_nbytes)
         if self._closed:
             raise StoreClosedError("BackgroundStore")
         self._raise_if_failed()
@@ -77,12 +84,15 @@ class BackgroundStore:
                     self._apply(objects, retain_t, release_t)
                     self._raise_if_failed()
                     return
-        if objects:
-            with self._queued_lock:
+        with self._queued_lock:
+            self._last_seq += 1
+            seq = self._last_seq
+            if objects:
                 q = self._queued
-                for key, _ in objects:
-                    q[key] = q.get(key, 0) + 1
-        self._queue.put((objects, retain_t, release_t))
+                if q and self._applied_seq >= seq - 1:
+                    q.clear()  # every earlier batch is applied: all entries are stale
+                q.update(dict.fromkeys(map(itemgetter(0), objects), seq))
+            self._queue.put((seq, objects, retain_t, release_t))  # under the lock: numbers stay in queue order
 
     def get_concatenated(self, keys: Sequence[str]) -> bytes:
         self._drain_for(keys)
@@ -137,8 +147,11 @@ class BackgroundStore:
         if self._closed:
             raise StoreClosedError("BackgroundStore")
         q = self._queued
-        if q and any(k in q for k in keys):
-            self._queue.join()
+        applied = self._applied_seq
+        if q and applied < self._last_seq:
+            hit = q.keys() & keys
+            if hit and max(q.get(k, 0) for k in hit) > applied:
+                self._queue.join()
         self._raise_if_failed()
 
     def _raise_if_failed(self) -> None:
@@ -153,19 +166,11 @@ class BackgroundStore:
             try:
                 if item is None:
                     return
-                objects, retain, release = item
+                seq, objects, retain, release = item
                 try:
                     self._apply(objects, retain, release)
                 finally:
-                    if objects:
-                        with self._queued_lock:
-                            q = self._queued
-                            for key, _ in objects:
-                                n = q[key] - 1
-                                if n:
-                                    q[key] = n
-                                else:
-                                    del q[key]
+                    self._applied_seq = seq
             finally:
                 self._queue.task_done()
 

@@ -16,6 +16,23 @@ Buffer = bytes | bytearray | memoryview
 StoreObject = tuple[str, Buffer]
 
 
+class BlockObjects(list[StoreObject]):
+    """Objects whose payloads are flat, contiguous byte memoryviews of exactly ``nbytes`` each.
+
+    The worker builds these from its own arrays, so stores check the batch once instead of
+    every payload (a prefill step publishes hundreds of blocks). Any other reader sees a list.
+    """
+
+    def __init__(self, items: Iterable[StoreObject] = (), *, nbytes: int) -> None:
+        super().__init__(items)
+        self.nbytes = nbytes
+
+
+def trusted_batch(objects: Sequence[StoreObject], object_nbytes: int) -> bool:
+    """Whether ``objects`` is a ``BlockObjects`` batch whose payloads fit ``object_nbytes``."""
+    return isinstance(objects, BlockObjects) and 0 < objects.nbytes <= object_nbytes
+
+
 @runtime_checkable
 class BlockStore(Protocol):
     """Minimal store contract used by the worker connector and by ``auxout.fetch``."""
@@ -47,7 +64,10 @@ class BlockStore(Protocol):
 
 def check_payload(key: str, payload: Buffer, object_nbytes: int) -> memoryview:
     """Validate one object payload; returns it as a flat byte view."""
-    view = memoryview(payload).cast("B") if not isinstance(payload, memoryview) else payload.cast("B")
+    if type(payload) is memoryview and payload.format == "B" and payload.ndim == 1 and payload.c_contiguous:
+        view = payload  # already a flat byte view (the worker's blocks): no new object per payload
+    else:
+        view = memoryview(payload).cast("B")
     if not 0 < view.nbytes <= object_nbytes:
         raise ValueError(f"object {key!r} has {view.nbytes} bytes; expected 1..{object_nbytes}")
     return view

@@ -9,10 +9,10 @@ whole: keys it registered are rolled back and ``StoreCapacityError`` is raised.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from auxout.errors import InvariantError, ObjectMissingError, StoreCapacityError
-from auxout.stores.base import StoreObject, check_payload
+from auxout.stores.base import StoreObject, check_payload, trusted_batch
 from auxout.stores.policy import EvictionPolicy
 
 UNWRITTEN = -1
@@ -39,13 +39,20 @@ class SlotIndex:
         Returns ``(new_keys, payloads, slots, freed)``: the keys to write with their payloads and
         freshly assigned slots, and the slots of evicted objects (the caller invalidates them).
         """
-        unique: dict[str, memoryview] = {}
-        for key, payload in objects:
-            if key not in unique:
-                unique[key] = check_payload(key, payload, object_nbytes)
-        for key in retain:
-            self._change_ref(key, +1)
-        terminal = [key for key in release if self._change_ref(key, -1) == 0]
+        unique: dict[str, memoryview]
+        if trusted_batch(objects, object_nbytes):
+            unique = dict(objects)  # type: ignore[arg-type]  # flat byte views, checked as a batch
+        else:
+            unique = {}
+            for key, payload in objects:
+                if key not in unique:
+                    unique[key] = check_payload(key, payload, object_nbytes)
+        if self.policy is None:
+            terminal = self._apply_refs(retain, release)
+        else:
+            for key in retain:
+                self._change_ref(key, +1)
+            terminal = [key for key in release if self._change_ref(key, -1) == 0]
         lru = self.lru
         for key in unique:
             if key in lru:
@@ -66,14 +73,21 @@ class SlotIndex:
             lru[k] = s
         return new, [unique[k] for k in new], slots, freed
 
-    def lookup(self, keys: Sequence[str], detail: str) -> list[int]:
-        """Slots of ``keys`` (touching them); ``ObjectMissingError`` naming every absent key."""
+    def lookup(self, keys: Sequence[str], detail: str | Callable[[], str]) -> list[int]:
+        """Slots of ``keys`` (touching them); ``ObjectMissingError`` naming every absent key.
+
+        ``detail`` (or a function making it, called only on a miss) explains the miss. The
+        per-key work runs in C (``map``): a multi-turn prefix read touches hundreds of keys.
+        """
         lru = self.lru
-        slots = [lru.get(k, UNWRITTEN) for k in keys]
+        try:
+            slots = list(map(lru.__getitem__, keys))
+        except KeyError:
+            slots = [lru.get(k, UNWRITTEN) for k in keys]
         if UNWRITTEN in slots:
-            raise ObjectMissingError([k for k, s in zip(keys, slots) if s == UNWRITTEN], detail)
-        for k in keys:
-            lru.move_to_end(k)
+            text = detail if isinstance(detail, str) else detail()
+            raise ObjectMissingError([k for k, s in zip(keys, slots) if s == UNWRITTEN], text)
+        deque(map(lru.move_to_end, keys), 0)
         return slots
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
@@ -84,6 +98,28 @@ class SlotIndex:
         self.lru.clear()
         self.refs.clear()
         self.lost.clear()
+    def _apply_refs(self, retain: Iterable[str], release: Iterable[str]) -> list[str]:
+        """Retains, then releases, without a policy to notify; returns keys released to zero.
+
+        Same semantics as ``_change_ref`` per key, in two flat loops: a new turn of a long
+        conversation retains (and later releases) its whole history, one key per block.
+        """
+        refs = self.refs
+        get = refs.get
+        for key in retain:
+            refs[key] = get(key, 0) + 1
+        terminal: list[str] = []
+        for key in release:
+            n = get(key, 0) - 1
+            if n > 0:
+                refs[key] = n
+            elif n == 0:
+                del refs[key]
+                terminal.append(key)
+            else:
+                raise InvariantError(f"{self.owner} release of {key!r} which no live request references")
+        return terminal
+
 
     def drain_lost(self) -> list[str]:
         """Keys evicted since the last call (thread-safe against the evicting thread)."""
