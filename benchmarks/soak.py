@@ -46,6 +46,7 @@ class Tally:
     failures: list[str] = field(default_factory=list)
     checked: int = 0
     wrong: int = 0
+    ties: int = 0  # rows that differ only at a near-tie of router logits (see RouteChecker)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, outcome: str, latency: float | None = None, failure: str | None = None) -> None:
@@ -55,6 +56,18 @@ class Tally:
                 self.latencies.append(latency)
             if failure is not None and len(self.failures) < 50:
                 self.failures.append(failure)
+
+
+TIE_GAP = 1e-4
+"""Router-logit distance from the k-th largest below which a differing expert is a near-tie."""
+
+
+def _first_2d(out: Any) -> Any:
+    """The router logits ``[tokens, experts]`` among a router module's outputs."""
+    for t in out if isinstance(out, tuple | list) else (out,):
+        if hasattr(t, "ndim") and t.ndim == 2 and t.is_floating_point():
+            return t.detach().float()
+    return None
 
 
 class RouteChecker:
@@ -68,14 +81,53 @@ class RouteChecker:
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         self.lock = threading.Lock()
 
-    def wrong_rows(self, tokens: list[int], got: np.ndarray, start: int) -> int:
-        from auxout.hf import capture_routes
+    def wrong_rows(self, tokens: list[int], got: np.ndarray, start: int) -> tuple[int, int, list[str]]:
+        """``(wrong rows, near-tie rows, details)`` of ``got`` against the full forward.
 
-        with self.lock:
-            want = capture_routes(self.model, tokens)[start : len(tokens) - 1]
+        A row whose expert sets differ only where the full forward's router logits of the swapped
+        experts lie within ``TIE_GAP`` of the k-th largest is a near-tie: the engine's batched fp32
+        kernels and transformers' unbatched forward round differently, and the engine's choice is
+        the route it actually computed. Anything else (a misaligned or stale row) is wrong.
+        """
+        import torch
+
+        from auxout.hf import capture_routes, moe_layers
+
+        logits: list[torch.Tensor] = []
+        handles = [
+            layer.router.register_forward_hook(lambda _m, _a, out: logits.append(_first_2d(out)))
+            for layer in moe_layers(self.model)
+        ]
+        try:
+            with self.lock:
+                want = capture_routes(self.model, tokens)[start : len(tokens) - 1]
+        finally:
+            for h in handles:
+                h.remove()
         if got.shape != want.shape:
-            return max(len(want), 1)
-        return int((~(np.sort(got, -1) == np.sort(want, -1)).all(-1)).any(-1).sum())
+            return max(len(want), 1), 0, [f"shape {got.shape} != {want.shape}"]
+        differs = ~(np.sort(got, -1) == np.sort(want, -1)).all(-1)  # [rows, layers]
+        wrong = ties = 0
+        details: list[str] = []
+        k = want.shape[-1]
+        for r in np.flatnonzero(differs.any(-1)).tolist():
+            gaps = []
+            for layer in np.flatnonzero(differs[r]).tolist():
+                lg = logits[layer][start + r] if layer < len(logits) else None
+                if lg is None:
+                    gaps.append(float("inf"))
+                    continue
+                kth = torch.topk(lg, k).values[-1]
+                swapped = sorted(set(got[r, layer].tolist()) ^ set(want[r, layer].tolist()))
+                gaps.append(float((lg[swapped] - kth).abs().max()))
+            tie = max(gaps) < TIE_GAP
+            ties += tie
+            wrong += not tie
+            details.append(
+                f"position {start + r}: layers {np.flatnonzero(differs[r]).tolist()} differ, logit gaps "
+                f"{[f'{g:.1e}' for g in gaps]} -> {'near-tie' if tie else 'WRONG'}"
+            )
+        return wrong, ties, details
 
 
 def free_port() -> int:
@@ -211,12 +263,16 @@ def client_loop(
                 tally.add("failed", failure=f"{kind}: no routes in a 200 answer")
                 continue
             got = np.load(io.BytesIO(base64.b64decode(b64)))
-            bad_rows = checker.wrong_rows(prompt + out, got, start)
+            bad_rows, tie_rows, details = checker.wrong_rows(prompt + out, got, start)
             with tally.lock:
                 tally.checked += 1
                 tally.wrong += bad_rows
-                if bad_rows:
-                    tally.failures.append(f"{kind}: {bad_rows} wrong route rows (prompt {len(prompt)}, start {start})")
+                tally.ties += tie_rows
+                if bad_rows or tie_rows:
+                    tally.failures.append(
+                        f"{kind}: {bad_rows} wrong and {tie_rows} near-tie route rows (prompt {len(prompt)}, "
+                        f"start {start}): " + "; ".join(details[:4])
+                    )
 
 
 def run_phase(
@@ -261,7 +317,10 @@ def report(name: str, tally: Tally, samples: list[tuple[float, dict[str, int]]],
     total = sum(tally.outcomes.values())
     print(f"\n== {name}: {total} requests in {duration:.0f} s ({total / duration:.1f}/s)")
     print("   outcomes: " + ", ".join(f"{k} {v}" for k, v in sorted(tally.outcomes.items())))
-    print(f"   routes checked against transformers: {tally.checked}, wrong route rows: {tally.wrong}")
+    print(
+        f"   routes checked against transformers: {tally.checked}, wrong route rows: {tally.wrong}, "
+        f"near-tie rows (router logits within {TIE_GAP:g} of the k-th; the engine's own choice): {tally.ties}"
+    )
     print(f"   failed requests: {tally.outcomes.get('failed', 0)}")
     for f in tally.failures[:10]:
         print(f"     - {f}")
