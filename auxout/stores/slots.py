@@ -54,23 +54,27 @@ class SlotIndex:
                 self._change_ref(key, +1)
             terminal = [key for key in release if self._change_ref(key, -1) == 0]
         lru = self.lru
-        for key in unique:
-            if key in lru:
-                lru.move_to_end(key)  # objects are immutable: a re-put only refreshes recency
-            else:
-                lru[key] = UNWRITTEN
-        for key in terminal:
-            if key in lru:
-                lru.move_to_end(key)
+        # objects are immutable: a re-put only refreshes recency; new keys join at the recent end
+        # in batch order (per-key work through map/update, which run in C)
+        fresh = [k for k in unique if k not in lru]
+        if len(fresh) == len(unique):
+            lru.update(dict.fromkeys(fresh, UNWRITTEN))
+        else:  # some are stored already: keep batch order across moved and new keys
+            for key in unique:
+                if key in lru:
+                    lru.move_to_end(key)
+                else:
+                    lru[key] = UNWRITTEN
+        if terminal:
+            deque(map(lru.move_to_end, [k for k in terminal if k in lru]), 0)
         freed: list[int] = []
         excess = len(lru) - self.num_slots
         if excess > 0:
             terminal_set = set(terminal)
             freed = self._evict(excess, {k for k in unique if k not in terminal_set}, unique)
         new = [k for k in unique if lru.get(k) == UNWRITTEN]
-        slots = [self._take_slot() for _ in new]
-        for k, s in zip(new, slots):
-            lru[k] = s
+        slots = self._take_slots(len(new))
+        lru.update(zip(new, slots))
         return new, [unique[k] for k in new], slots, freed
 
     def lookup(self, keys: Sequence[str], detail: str | Callable[[], str]) -> list[int]:
@@ -131,13 +135,19 @@ class SlotIndex:
         except IndexError:
             return out
 
-    def _take_slot(self) -> int:
-        if self.free:
-            return self.free.pop()
-        if self.next_slot >= self.num_slots:
-            raise InvariantError(f"{self.owner} slot accounting broken: no free slot after eviction")
-        self.next_slot += 1
-        return self.next_slot - 1
+    def _take_slots(self, n: int) -> list[int]:
+        """``n`` slots: freed ones first (most recently freed first), then never-used ones."""
+        free = self.free
+        k = min(n, len(free))
+        out = free[len(free) - k :][::-1]
+        del free[len(free) - k :]
+        rest = n - k
+        if rest:
+            if self.next_slot + rest > self.num_slots:
+                raise InvariantError(f"{self.owner} slot accounting broken: no free slot after eviction")
+            out.extend(range(self.next_slot, self.next_slot + rest))
+            self.next_slot += rest
+        return out
 
     def _change_ref(self, key: str, delta: int) -> int:
         old = self.refs.get(key, 0)
