@@ -22,6 +22,7 @@ import argparse
 import base64
 import contextlib
 import io
+import json
 import os
 import random
 import subprocess
@@ -66,7 +67,7 @@ def _first_2d(out: Any) -> Any:
     """The router logits ``[tokens, experts]`` among a router module's outputs."""
     for t in out if isinstance(out, tuple | list) else (out,):
         if hasattr(t, "ndim") and t.ndim == 2 and t.is_floating_point():
-            return t.detach().float()
+            return t.detach().float().clone()
     return None
 
 
@@ -94,16 +95,16 @@ class RouteChecker:
         from auxout.hf import capture_routes, moe_layers
 
         logits: list[torch.Tensor] = []
-        handles = [
-            layer.router.register_forward_hook(lambda _m, _a, out: logits.append(_first_2d(out)))
-            for layer in moe_layers(self.model)
-        ]
-        try:
-            with self.lock:
+        with self.lock:  # hooks too: a hook registered by another client thread would see this forward
+            handles = [
+                layer.router.register_forward_hook(lambda _m, _a, out: logits.append(_first_2d(out)))
+                for layer in moe_layers(self.model)
+            ]
+            try:
                 want = capture_routes(self.model, tokens)[start : len(tokens) - 1]
-        finally:
-            for h in handles:
-                h.remove()
+            finally:
+                for h in handles:
+                    h.remove()
         if got.shape != want.shape:
             return max(len(want), 1), 0, [f"shape {got.shape} != {want.shape}"]
         differs = ~(np.sort(got, -1) == np.sort(want, -1)).all(-1)  # [rows, layers]
@@ -193,14 +194,14 @@ def client_loop(
     import httpx
 
     rng = random.Random(args.seed * 1000 + cid)
+    mix = dict(item.split("=") for item in args.mix.split(","))
+    kinds, weights = list(mix), [float(w) for w in mix.values()]
     history: list[int] = []  # the conversation so far (multi-turn continuations)
     n = 0
     with httpx.Client(base_url=base, timeout=300) as client:
         while time.monotonic() < stop_at:
             n += 1
-            kind = rng.choices(
-                ["greedy", "seeded", "turn", "disconnect", "abort", "bad"], weights=[30, 20, 25, 8, 8, 4]
-            )[0]
+            kind = rng.choices(kinds, weights=weights)[0]
             if kind == "turn" and history and len(history) < 700:
                 prompt = history + [rng.randrange(3, 1000) for _ in range(rng.randint(5, 40))]
                 start = len(history) - 1
@@ -268,6 +269,10 @@ def client_loop(
                 tally.checked += 1
                 tally.wrong += bad_rows
                 tally.ties += tie_rows
+                if bad_rows and args.dump is not None:
+                    args.dump.mkdir(parents=True, exist_ok=True)
+                    case = {"kind": kind, "body": body, "choice": choice, "details": details}
+                    (args.dump / f"case-{cid}-{n}.json").write_text(json.dumps(case))
                 if bad_rows or tie_rows:
                     tally.failures.append(
                         f"{kind}: {bad_rows} wrong and {tie_rows} near-tie route rows (prompt {len(prompt)}, "
@@ -353,6 +358,11 @@ def main() -> int:
     p.add_argument("--check-every", type=int, default=3, help="check every Nth answer's routes per client")
     p.add_argument("--rss-every", type=float, default=5.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--mix", default="greedy=30,seeded=20,turn=25,disconnect=8,abort=8,bad=4",
+        help="request kinds and their weights",
+    )  # fmt: skip
+    p.add_argument("--dump", type=Path, default=None, help="write each mismatching answer here (JSON) to replay it")
     args = p.parse_args()
     off_duration = args.duration / 4 if args.off_duration is None else args.off_duration
 
