@@ -85,6 +85,7 @@ class RouteCapture:
         self.host_buffer = np.zeros(shape, dtype=profile.dtype)
         self._id_size = profile.id_dtype.itemsize
         if profile.weights:  # torch has no structured dtype: the tensor is the rows' bytes
+            self._host_ids, self._host_w = self.host_buffer["id"], self.host_buffer["w"]
             byte_shape = (max_tokens, profile.num_layers, profile.top_k * profile.dtype.itemsize)
             self.buffer = (
                 torch.from_numpy(self.host_buffer.view(np.uint8))
@@ -115,9 +116,11 @@ class RouteCapture:
         if any(not 0 <= c < self.profile.num_layers for c in columns):
             raise ValueError(f"columns {columns} out of range for {self.profile.num_layers} MoE layers")
         for column, router in zip(columns, routers):
-            router.set_capture_fn(partial(self._capture, column))
             if self.profile.weights:
+                router.set_capture_fn(partial(self._capture_ids, column))
                 _wrap_select_experts(router, partial(self._capture_weights, column))
+            else:
+                router.set_capture_fn(partial(self._capture, column))
         self._routers = routers
         self.columns = list(columns)
 
@@ -148,18 +151,22 @@ class RouteCapture:
         n = topk_ids.shape[0]
         if n > self.max_tokens:
             raise InvariantError(f"MoE layer {layer} routed {n} tokens, capture buffer holds {self.max_tokens}")
-        if self.profile.weights:
-            self._unweighted += 1
         if self.on_host:
-            if self.profile.weights:
-                self.host_buffer["id"][:n, layer] = topk_ids.numpy()
-            else:
-                self.host_buffer[:n, layer] = topk_ids.numpy()
-        elif self.profile.weights:
-            ids = topk_ids.to(_TORCH_DTYPES[self.profile.id_dtype]).contiguous().view(torch.uint8)
-            self._slots(n, layer)[..., : self._id_size].copy_(ids.view(n, self.profile.top_k, self._id_size))
+            self.host_buffer[:n, layer] = topk_ids.numpy()
         else:
             self.buffer[:n, layer].copy_(topk_ids)
+
+    def _capture_ids(self, layer: int, topk_ids: torch.Tensor) -> None:
+        """:meth:`_capture` with routing weights on: the ids go into the slots' id field."""
+        n = topk_ids.shape[0]
+        if n > self.max_tokens:
+            raise InvariantError(f"MoE layer {layer} routed {n} tokens, capture buffer holds {self.max_tokens}")
+        self._unweighted += 1
+        if self.on_host:
+            self._host_ids[:n, layer] = topk_ids.numpy()
+        else:
+            ids = topk_ids.to(_TORCH_DTYPES[self.profile.id_dtype]).contiguous().view(torch.uint8)
+            self._slots(n, layer)[..., : self._id_size].copy_(ids.view(n, self.profile.top_k, self._id_size))
 
     def _capture_weights(self, layer: int, topk_weights: torch.Tensor) -> None:
         n = topk_weights.shape[0]
@@ -167,7 +174,7 @@ class RouteCapture:
             raise InvariantError(f"MoE layer {layer} routed {n} tokens, capture buffer holds {self.max_tokens}")
         self._unweighted -= 1
         if self.on_host:
-            self.host_buffer["w"][:n, layer] = topk_weights.float().numpy()
+            self._host_w[:n, layer] = topk_weights.float().numpy()
         else:
             w = topk_weights.to(torch.float32).contiguous().view(torch.uint8)
             self._slots(n, layer)[..., self._id_size :].copy_(w.view(n, self.profile.top_k, 4))
