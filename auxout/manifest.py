@@ -57,7 +57,7 @@ class RouteManifest:
     @property
     def row_dtype(self) -> np.dtype:
         """The stored item dtype: ids, or (id, float32 weight) slots (``dtype`` ends in ``+w<f4``)."""
-        return parse_dtype_name(self.dtype)
+        return parse_dtype_name(self.dtype) if isinstance(self.dtype, str) else np.dtype(self.dtype)
 
     @property
     def has_weights(self) -> bool:

@@ -328,7 +328,7 @@ def test_routing_weights_streamed_and_session_deltas(server, oracle):
     check_weights(oracle, second + c2["token_ids"], ids2, w2, c2["routed_experts_start"])
 
 
-def test_routing_weights_in_chat_and_keys_only(server, oracle):
+def test_routing_weights_in_chat_n_and_keys_only(server, oracle):
     resp = server.openai.chat.completions.create(
         model=server.model_path, messages=[{"role": "user", "content": "Weights, please."}], max_tokens=5,
         temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True, **WEIGHTS},
@@ -339,6 +339,13 @@ def test_routing_weights_in_chat_and_keys_only(server, oracle):
     check(oracle, tokens, ids, 0)
     check_weights(oracle, tokens, ids, weights, 0)
     prompt = random_prompt(np.random.default_rng(92), 50)
+    r = server.post("/v1/completions", json=body(server, prompt=prompt, max_tokens=6, n=2, temperature=1.0, **WEIGHTS))
+    choices = r.json()["choices"]
+    assert sorted(c["index"] for c in choices) == [0, 1]
+    for c in choices:  # every choice its own ids and weights
+        ids, weights = decode_routes(c), decode_routes(c, "routing_weights")
+        check(oracle, prompt + c["token_ids"], ids, 0)
+        check_weights(oracle, prompt + c["token_ids"], ids, weights, 0)
     r = server.post("/v1/completions", json=body(
         server, prompt=prompt, max_tokens=5, vllm_xargs={"routed_experts_output": "keys"}, **WEIGHTS))
     c = r.json()["choices"][0]

@@ -23,8 +23,9 @@ def engine_kwargs(**options: Any) -> dict[str, Any]:
     """Keyword arguments to merge into ``vllm.LLM(...)`` / ``EngineArgs(...)``.
 
     ``options`` are :class:`VllmOptions` fields (``store``, ``max_bytes``, ``default_return``,
-    ``namespace``, ``store_options``, ``output``, ``routing_weights``); they travel in ``additional_config["auxout"]``, which
-    vLLM pickles into its engine-core and worker processes.
+    ``namespace``, ``store_options``, ``output``, ``routing_weights``); they travel in
+    ``additional_config["auxout"]``, which vLLM pickles into its engine-core and worker processes.
+    Also installs, in this process, the split of returned rows into ids and routing weights.
 
     Prefix caching is not set here (vLLM turns it on by default for every model that supports it),
     so ``LLM(path, enable_prefix_caching=True, **engine_kwargs())`` works; the worker refuses to

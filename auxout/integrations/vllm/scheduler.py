@@ -63,7 +63,7 @@ def request_route_options(request: Any) -> tuple[object, object, object]:
 def engine_rows(rows: np.ndarray, request: Any) -> np.ndarray:
     """What goes into ``EngineCoreOutput.routed_experts``: the ids, or with routing weights
     captured and asked for, the (id, weight) rows as ``uint8 [n, L, K, item bytes]`` (vLLM's
-    messages carry no structured arrays; the frontend splits them, see ``frontend_split``)."""
+    messages carry no structured arrays; the frontend splits them: ``weights_output``)."""
     if rows.dtype.names is None:
         return rows
     params = request.sampling_params
