@@ -26,6 +26,7 @@ import numpy as np
 
 from auxout.errors import CorruptObjectError, PublicationError
 from auxout.keys import KEY_PREFIX
+from auxout.profile import dtype_name, parse_dtype_name, split_rows
 from auxout.stores.base import BlockStore
 
 MANIFEST_VERSION = 1
@@ -54,8 +55,17 @@ class RouteManifest:
 
     # -- derived sizes ---------------------------------------------------------------------------
     @property
+    def row_dtype(self) -> np.dtype:
+        """The stored item dtype: ids, or (id, float32 weight) slots (``dtype`` ends in ``+w<f4``)."""
+        return parse_dtype_name(self.dtype) if isinstance(self.dtype, str) else np.dtype(self.dtype)
+
+    @property
+    def has_weights(self) -> bool:
+        return self.row_dtype.names is not None
+
+    @property
     def row_nbytes(self) -> int:
-        return math.prod(self.shape_per_token) * np.dtype(self.dtype).itemsize
+        return math.prod(self.shape_per_token) * self.row_dtype.itemsize
 
     @property
     def object_nbytes(self) -> int:
@@ -87,9 +97,11 @@ class RouteManifest:
         if not self.shape_per_token or any(d <= 0 for d in self.shape_per_token):
             raise bad(f"shape_per_token={self.shape_per_token!r} must be non-empty and positive")
         try:
-            dt = np.dtype(self.dtype)
+            dt = parse_dtype_name(self.dtype) if isinstance(self.dtype, str) else np.dtype(self.dtype)
         except TypeError as exc:
             raise bad(f"dtype={self.dtype!r} is not a numpy dtype") from exc
+        if dt.names is not None:
+            dt = dt["id"]
         if dt.kind not in "iub" or dt.byteorder == ">":
             raise bad(f"dtype={self.dtype!r} must be a little-endian/native integer type")
         if any(not isinstance(k, str) or not k for k in self.keys):
@@ -188,7 +200,7 @@ def publish_manifest(
     full_end = len(block_keys) * block_size
     if token_end > full_end + tail_rows.shape[0]:
         raise ValueError(f"rows up to {token_end} requested but only {full_end + tail_rows.shape[0]} exist")
-    shape, dtype = tuple(tail_rows.shape[1:]), tail_rows.dtype.str
+    shape, dtype = tuple(tail_rows.shape[1:]), dtype_name(tail_rows.dtype)
     num_rows = token_end - token_start
     if num_rows == 0:
         return RouteManifest((), token_start, 0, 0, 0, block_size, shape, dtype, address)
@@ -232,15 +244,27 @@ def open_store(address: str, *, object_nbytes: int) -> BlockStore:
     return store
 
 
-def fetch(manifest: RouteManifest, store: BlockStore | None = None) -> np.ndarray:
+def fetch(
+    manifest: RouteManifest, store: BlockStore | None = None, *, weights: bool = False
+) -> Any:
     """The exact route array ``(num_rows, *shape_per_token)`` a manifest names (read-only view).
 
     Missing (evicted, expired) objects raise ``ObjectMissingError`` naming them; a payload of the
     wrong length raises ``CorruptObjectError``. Opens (and closes) a client when ``store`` is None.
+    The expert ids always; ``weights=True`` returns ``(ids, routing weights)`` (float32, same
+    shape), for manifests of an engine that captures them.
     """
+    if weights and not manifest.has_weights:
+        raise ValueError("this manifest's routes hold no routing weights: the engine did not capture them")
+    ids, w = split_rows(fetch_rows(manifest, store))
+    return (ids, w) if weights else ids
+
+
+def fetch_rows(manifest: RouteManifest, store: BlockStore | None = None) -> np.ndarray:
+    """The stored rows a manifest names, as stored (structured (id, weight) slots with weights)."""
     m = manifest
     if m.num_rows == 0:
-        return np.empty(m.shape, dtype=m.dtype)
+        return np.empty(m.shape, dtype=m.row_dtype)
     own = store is None
     st = open_store(m.store, object_nbytes=m.object_nbytes) if store is None else store
     try:
@@ -254,5 +278,5 @@ def fetch(manifest: RouteManifest, store: BlockStore | None = None) -> np.ndarra
             f"route objects hold {len(raw)} bytes; the manifest expects {expected} "
             f"({len(m.keys)} objects, {m.stored_rows} rows of {m.row_nbytes} bytes)"
         )
-    arr = np.frombuffer(raw, dtype=m.dtype).reshape(-1, *m.shape_per_token)
+    arr = np.frombuffer(raw, dtype=m.row_dtype).reshape(-1, *m.shape_per_token)
     return arr[m.row_offset : m.row_offset + m.num_rows]

@@ -3,7 +3,8 @@
 The conversation: each turn adds 64 tokens of new text to the prompt and generates 256. Modes:
 ``full`` (every response carries the whole history's routes), ``prompt_start`` (the client
 states where its rows end), ``session`` (the server remembers: same rows as prompt_start, no
-client bookkeeping), ``keys`` (a route manifest; the rows stay in the store). Each inline mode is
+client bookkeeping), ``session+w`` (the same rows with their routing weights,
+``return_routing_weights``), ``keys`` (a route manifest; the rows stay in the store). Each inline mode is
 measured in every wire format of :mod:`auxout.wire` (the base64 text the response carries, plus
 its metadata fields). Profiles: the tiny Qwen3-MoE test model (2 MoE layers, top-4 of 16) with
 the routes transformers computes for it, and a Qwen3-30B-A3B shape (48 layers, top-8 of 128) on
@@ -31,25 +32,40 @@ TURNS = 6
 NEW_TEXT = 64
 GENERATED = 256
 BLOCK = 16
+MODES = ("full", "prompt_start", "session", "session+w", "keys")
 
 
-def tiny_routes(total: int) -> tuple[np.ndarray, int]:
-    """Routes of the tiny Qwen3-MoE test model over ``total`` tokens (transformers full forward)."""
+def tiny_routes(total: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Routes and routing weights of the tiny Qwen3-MoE test model over ``total`` tokens
+    (transformers full forward: its routers' own top-k ids and combine weights)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from auxout.hf import capture_routes
     from auxout.models import build_tiny_moe
 
     model = AutoModelForCausalLM.from_pretrained(build_tiny_moe("qwen3_moe"), dtype=torch.float32).eval()
     tokens = np.random.default_rng(0).integers(3, 1000, size=total).tolist()
-    return capture_routes(model, tokens), 16
+    routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    outs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    hooks = [r.register_forward_hook(lambda mod, a, out: outs.append((out[2].clone(), out[1].clone()))) for r in routers]
+    with torch.no_grad():
+        model(input_ids=torch.tensor([tokens]), use_cache=False)
+    for h in hooks:
+        h.remove()
+    ids = torch.stack([i for i, _ in outs], dim=1).numpy().astype(np.uint8)
+    weights = torch.stack([w for _, w in outs], dim=1).float().numpy()
+    return ids, weights, 16
 
 
-def synthetic_routes(total: int, layers: int = 48, top_k: int = 8, experts: int = 128) -> tuple[np.ndarray, int]:
+def synthetic_routes(
+    total: int, layers: int = 48, top_k: int = 8, experts: int = 128
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Uniform random routes; weights: softmax of normal logits over the top-k, renormalized."""
     rng = np.random.default_rng(1)
-    ids = np.argsort(rng.random((total, layers, experts), dtype=np.float32), axis=-1)[..., :top_k]
-    return ids.astype(np.uint8), experts
+    logits = rng.standard_normal((total, layers, experts), dtype=np.float32)
+    ids = np.argsort(-logits, axis=-1)[..., :top_k]
+    top = np.exp(np.take_along_axis(logits, ids, axis=-1))
+    return ids.astype(np.uint8), (top / top.sum(-1, keepdims=True)).astype(np.float32), experts
 
 
 def manifest_bytes(start: int, num_rows: int, shape: tuple[int, ...]) -> int:
@@ -67,16 +83,17 @@ def payload_bytes(fields: dict[str, Any]) -> int:
     return len(json.dumps(fields, separators=(",", ":")))
 
 
-def run(name: str, routes: np.ndarray, experts: int, repeats: int) -> list[dict[str, Any]]:
+def run(name: str, routes: np.ndarray, weights: np.ndarray, experts: int, repeats: int) -> list[dict[str, Any]]:
     rows_out = []
     prompt = 0
     for turn in range(TURNS):
         prompt += NEW_TEXT
         end = prompt + GENERATED - 1  # rows of prompt + output (the last token has no row yet)
         start = max(prompt - NEW_TEXT - 1, 0) if turn else 0
-        for mode in ("full", "prompt_start", "session", "keys"):
+        for mode in MODES:
             first = 0 if mode == "full" else start
             rows = routes[first:end]
+            w = weights[first:end] if mode == "session+w" else None
             if mode == "keys":
                 rows_out.append({"profile": name, "turn": turn + 1, "mode": mode, "format": "-",
                                  "bytes": manifest_bytes(first, len(rows), routes.shape[1:]), "decode_us": 0.0,
@@ -87,13 +104,17 @@ def run(name: str, routes: np.ndarray, experts: int, repeats: int) -> list[dict[
                 for _ in range(repeats):
                     t0 = time.perf_counter()
                     fields = encode(rows, fmt, num_experts=experts)
+                    if w is not None:
+                        fields.update(encode(w, fmt, name="routing_weights"))
                     enc.append(time.perf_counter() - t0)
                 times = []
                 for _ in range(repeats):
                     t0 = time.perf_counter()
                     got = decode_routes(fields)
+                    got_w = decode_routes(fields, "routing_weights") if w is not None else None
                     times.append(time.perf_counter() - t0)
                 assert got is not None and np.array_equal(got, rows)
+                assert w is None or np.array_equal(got_w, w)
                 rows_out.append({"profile": name, "turn": turn + 1, "mode": mode, "format": fmt,
                                  "bytes": payload_bytes(fields), "decode_us": statistics.median(times) * 1e6,
                                  "encode_us": statistics.median(enc) * 1e6})
@@ -107,7 +128,7 @@ def summarize(results: list[dict[str, Any]]) -> None:
         base = sum(r["bytes"] for r in sel if r["mode"] == "full" and r["format"] == "npy")
         print(f"\n## {profile}: 6 turns, bytes summed over turns (ratio to full+npy), client decode and server encode per turn (medians)")
         print(f"{'mode':14s} {'format':8s} {'total bytes':>12s} {'ratio':>7s} {'turn-6 bytes':>12s} {'decode us/turn':>15s} {'encode us/turn':>15s}")
-        for mode in ("full", "prompt_start", "session", "keys"):
+        for mode in MODES:
             for fmt in (*FORMATS, "-"):
                 part = [r for r in sel if r["mode"] == mode and r["format"] == fmt]
                 if not part:
@@ -125,10 +146,10 @@ def main() -> None:
     args = p.parse_args()
     total = TURNS * (NEW_TEXT + GENERATED)
     results = []
-    tiny, e = tiny_routes(total)
-    results += run("tiny qwen3_moe (2 layers, top-4 of 16, real routes)", tiny, e, args.repeats)
-    big, e = synthetic_routes(total)
-    results += run("Qwen3-30B-A3B shape (48 layers, top-8 of 128, uniform synthetic)", big, e, args.repeats)
+    tiny, tiny_w, e = tiny_routes(total)
+    results += run("tiny qwen3_moe (2 layers, top-4 of 16, real routes)", tiny, tiny_w, e, args.repeats)
+    big, big_w, e = synthetic_routes(total)
+    results += run("Qwen3-30B-A3B shape (48 layers, top-8 of 128, uniform synthetic)", big, big_w, e, args.repeats)
     summarize(results)
 
 

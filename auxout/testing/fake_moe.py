@@ -3,6 +3,8 @@
 Row ``p`` of ``routes(tokens)`` depends only on ``tokens[:p+1]`` (causal, like a real router),
 so a row computed for a rejected draft token differs from the row of the token that was
 accepted, and a row served for the wrong position is caught by comparing with a full pass.
+With ``weights=True`` rows are structured (id, float32 weight) slots like an engine capturing
+routing weights; the weights are the renormalized top scores, also causal.
 """
 
 from __future__ import annotations
@@ -31,9 +33,15 @@ class FakeMoE:
     """Causal fake router: ``routes(token_ids) -> [len, num_layers, top_k]`` distinct ids per row."""
 
     def __init__(
-        self, num_layers: int = 4, top_k: int = 2, num_experts: int = 16, vocab_size: int = 1000, seed: int = 0
+        self,
+        num_layers: int = 4,
+        top_k: int = 2,
+        num_experts: int = 16,
+        vocab_size: int = 1000,
+        seed: int = 0,
+        weights: bool = False,
     ) -> None:
-        self.profile = RouteProfile(num_layers, top_k, num_experts)
+        self.profile = RouteProfile(num_layers, top_k, num_experts, weights)
         self.num_layers, self.top_k, self.num_experts = num_layers, top_k, num_experts
         self.vocab_size = vocab_size
         rng = np.random.default_rng(seed)
@@ -64,7 +72,13 @@ class FakeMoE:
         with np.errstate(over="ignore"):
             scores = _mix(h[:, None, None] ^ self._salt[None])  # [n, L, E]
         top = np.argsort(scores, axis=-1, kind="stable")[..., -self.top_k :][..., ::-1]
-        return np.ascontiguousarray(top.astype(self.profile.dtype))
+        if not self.profile.weights:
+            return np.ascontiguousarray(top.astype(self.profile.dtype))
+        score = (np.take_along_axis(scores, top, axis=-1) >> np.uint64(40)).astype(np.float32) + 1
+        rows = np.empty(top.shape, dtype=self.profile.dtype)
+        rows["id"] = top
+        rows["w"] = score / score.sum(axis=-1, keepdims=True)
+        return rows
 
     def next_token(self, token_ids: Sequence[int] | np.ndarray) -> int:
         """Deterministic greedy next token."""

@@ -6,7 +6,8 @@ extend earlier turns, with aborts and prefix-cache resets between turns. Stores 
 roomy to far smaller than the workload, and KV may come from outside the engine: a peer engine
 (P/D prefill) saves its KV to a shared ``SimKVConnector``, with routes in a store both reach or
 only in its own. Every request must finish (no errors: hits without routes are recomputed) and
-its routes must equal a full pass of ``FakeMoE`` over its tokens, bit for bit.
+its routes must equal a full pass of ``FakeMoE`` over its tokens, bit for bit (with routing
+weights, the (id, weight) rows too).
 """
 
 from __future__ import annotations
@@ -15,13 +16,15 @@ import numpy as np
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from auxout.manifest import fetch
+from auxout.manifest import fetch, fetch_rows
 from auxout.stores import ArenaStore, BlockStore
 from auxout.testing import FakeMoE, SimEngine, SimKVConnector, SimResult, oracle_routes
 
 MODELS = {
     "small": FakeMoE(num_layers=3, top_k=2, num_experts=8, vocab_size=50, seed=1),
     "wide": FakeMoE(num_layers=2, top_k=4, num_experts=300, vocab_size=1000, seed=2),  # uint16 ids
+    # (id, float32 weight) rows through every path
+    "weighted": FakeMoE(num_layers=2, top_k=3, num_experts=40, vocab_size=60, seed=4, weights=True),
 }
 
 
@@ -29,8 +32,13 @@ def assert_oracle(model: FakeMoE, res: SimResult, store: BlockStore) -> None:
     assert res.error is None, f"{res.request_id}: {res.error}"
     if res.manifest is not None:  # keys-only output: what a trainer fetches
         assert res.routed_experts is None
-        got = fetch(res.manifest, store=store)
-        assert np.array_equal(got, oracle_routes(model, res)), f"{res.request_id}: manifest routes differ"
+        expected = oracle_routes(model, res)
+        got = fetch_rows(res.manifest, store=store)
+        assert got.dtype == expected.dtype and np.array_equal(got, expected), f"{res.request_id}: manifest routes differ"
+        if model.profile.weights:  # what a trainer fetches: ids as without weights, plus the weights
+            ids, w = fetch(res.manifest, store=store, weights=True)
+            assert ids.dtype == model.profile.id_dtype and np.array_equal(ids, expected["id"])
+            assert w.dtype == np.float32 and np.array_equal(w, expected["w"])
         return
     if res.routed_experts is None:
         return

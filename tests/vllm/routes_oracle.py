@@ -19,12 +19,13 @@ ENGINE_ARGS: dict[str, Any] = {
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
-def make_llm(path: str, **kw: Any) -> Any:
+def make_llm(path: str, auxout: dict[str, Any] | None = None, **kw: Any) -> Any:
+    """An ``LLM`` with auxout (``auxout``: its options, e.g. ``{"routing_weights": True}``)."""
     from vllm import LLM
 
     from auxout.vllm import engine_kwargs
 
-    return LLM(model=path, **{**ENGINE_ARGS, **engine_kwargs(), **kw})
+    return LLM(model=path, **{**ENGINE_ARGS, **engine_kwargs(**(auxout or {})), **kw})
 
 
 def greedy(max_tokens: int, **kw: Any) -> Any:
@@ -61,6 +62,42 @@ class Oracle:
         except ImportError:  # pragma: no cover - before auxout.hf existed
             capture_routes = _hook_routes
         return capture_routes(self.model, list(tokens))
+
+    def routes_and_weights(self, tokens: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """``(ids, weights)`` ``[S, L, K]`` as transformers' routers return them (fp32 combine weights)."""
+        import torch
+
+        routers = [m for m in self.model.modules() if type(m).__name__.endswith(("TopKRouter", "TopkRouter"))]
+        outs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        hooks = [
+            r.register_forward_hook(lambda mod, a, out: outs.append((out[2].detach().clone(), out[1].detach().clone())))
+            for r in routers
+        ]
+        try:
+            with torch.no_grad():
+                self.model(input_ids=torch.tensor([list(tokens)]), use_cache=False)
+        finally:
+            for h in hooks:
+                h.remove()
+        ids = torch.stack([i for i, _ in outs], dim=1).numpy()
+        weights = torch.stack([w for _, w in outs], dim=1).float().numpy()
+        return ids, weights
+
+    def check_weights(self, prompt: Sequence[int], completion: Any, prompt_start: int = 0) -> np.ndarray:
+        """Assert the completion's routing weights equal transformers' (fp32, per expert id); return them."""
+        tokens = list(prompt) + list(completion.token_ids)
+        ids, weights = completion.routed_experts, getattr(completion, "routing_weights", None)
+        assert weights is not None, "routing weights missing"
+        assert weights.dtype == np.float32 and weights.shape == ids.shape
+        exp_ids, exp_w = self.routes_and_weights(tokens)
+        exp_ids, exp_w = exp_ids[prompt_start : len(tokens) - 1], exp_w[prompt_start : len(tokens) - 1]
+        # slot order is a kernel detail: compare (id, weight) pairs sorted by id
+        order, exp_order = np.argsort(ids, axis=-1), np.argsort(exp_ids, axis=-1)
+        got_ids, want_ids = np.take_along_axis(ids, order, -1), np.take_along_axis(exp_ids, exp_order, -1)
+        assert np.array_equal(got_ids, want_ids.astype(got_ids.dtype)), "expert ids differ from transformers'"
+        got_w, want_w = np.take_along_axis(weights, order, -1), np.take_along_axis(exp_w, exp_order, -1)
+        np.testing.assert_allclose(got_w, want_w, rtol=1e-5, atol=1e-6)
+        return weights
 
     def check(self, prompt: Sequence[int], completion: Any, prompt_start: int = 0) -> np.ndarray:
         """Assert the completion's routes equal the oracle's on prompt+output; return them."""

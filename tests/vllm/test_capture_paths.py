@@ -69,3 +69,46 @@ def test_capture_and_snapshot(host_buffer, num_experts):
 def test_numpy_buffer_cannot_live_on_a_device():
     with pytest.raises(ValueError, match="numpy capture buffer lives on the host"):
         RouteCapture(RouteProfile(2, 2, 8), 4, device="meta", host_buffer=True)
+
+
+class _WeightedRouter(_Router):
+    """A stand-in for vLLM's ``BaseRouter``: ``select_experts`` calls the capture with the ids
+    (before an EPLB remap would change them) and returns ``(weights, ids)`` to the experts."""
+
+    def __init__(self, weights: torch.Tensor, ids: torch.Tensor) -> None:
+        super().__init__()
+        self.weights, self.ids = weights, ids
+
+    def select_experts(self, hidden_states: Any, router_logits: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fn is not None:
+            self.fn(self.ids)
+        return self.weights, self.ids + 1000  # what the experts get (physical ids): never captured
+
+
+@pytest.mark.parametrize("num_experts", [64, 512], ids=["uint8", "uint16"])
+@pytest.mark.parametrize("host_buffer", [True, False], ids=["numpy", "tensor"])
+def test_weights_captured_with_their_ids(host_buffer, num_experts):
+    profile = RouteProfile(num_layers=2, top_k=3, num_experts=num_experts, weights=True)
+    cap = RouteCapture(profile, max_tokens=16, device="cpu", host_buffer=host_buffer)
+    rng = np.random.default_rng(1)
+    ids = [_ids(rng, 9, 3, num_experts) for _ in range(2)]
+    weights = [torch.from_numpy(rng.random((9, 3), dtype=np.float32)) for _ in range(2)]
+    routers = [_WeightedRouter(w, i) for w, i in zip(weights, ids, strict=True)]
+    cap.bind(routers)
+    for r in routers:
+        w, physical = r.select_experts(None, None)  # the wrapper returns what the router returned
+        assert w is r.weights and torch.equal(physical, r.ids + 1000)
+    snap = cap.snapshot(9)
+    assert snap.dtype == profile.dtype and snap.shape == (9, 2, 3)
+    assert np.array_equal(snap["id"], torch.stack(ids, dim=1).numpy().astype(profile.id_dtype))
+    assert np.array_equal(snap["w"], torch.stack(weights, dim=1).numpy())
+    # PP stages ship the rows as bytes: the next stage's buffer rebuilds the same (id, weight) rows
+    other = RouteCapture(profile, max_tokens=16, device="cpu", host_buffer=host_buffer)
+    other.load_rows(cap.rows_bytes(9).clone())
+    assert np.array_equal(other.snapshot(9), snap)
+    # ids captured without their weights (a router path that skips select_experts) fail loudly
+    routers[0].fn(ids[0])
+    with pytest.raises(InvariantError, match="routing weights were not captured"):
+        cap.snapshot(9)
+    cap.unbind()
+    assert "select_experts" not in vars(routers[0]) and all(r.fn is None for r in routers)

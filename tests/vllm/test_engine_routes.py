@@ -2,7 +2,8 @@
 
 One engine for the module (Qwen3-MoE, default multiprocess engine core): chunked prefill (64-token
 steps) and ngram speculative decoding are on for every request, so each scenario below also
-runs through both.
+runs through both. The engine captures routing weights too (``routing_weights=True``): requests
+that do not ask for them get exactly the ids an engine without weights returns.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ def model_path() -> str:
 @pytest.fixture(scope="module")
 def llm(model_path: str):
     engine = make_llm(
-        model_path, max_model_len=1024, max_num_batched_tokens=64, max_num_seqs=8, speculative_config=SPEC
-    )
+        model_path, auxout={"routing_weights": True},
+        max_model_len=1024, max_num_batched_tokens=64, max_num_seqs=8, speculative_config=SPEC,
+    )  # fmt: skip
     yield engine
     close_llm(engine)
 
@@ -238,3 +240,47 @@ def test_route_fields_have_strict_types_offline(llm, kw):
     field = "routed_experts_output" if "routed_experts_output" in str(kw) else "routed_experts_prompt_start"
     with pytest.raises(VLLMValidationError, match=field):
         run(llm, [prompt], greedy(4, **kw))
+
+
+WEIGHTS = {"return_routing_weights": True}
+
+
+def test_routing_weights_match_transformers_and_come_back_from_the_prefix_cache(llm, oracle):
+    rng = np.random.default_rng(60)
+    first = random_prompt(rng, 100)  # two prefill chunks
+    (c1,), _ = run(llm, [first], greedy(12, extra_args=WEIGHTS))
+    oracle.check(first, c1)
+    w1 = oracle.check_weights(first, c1)
+    assert w1.shape == (100 + 12 - 1, 2, 4)
+    np.testing.assert_allclose(w1.sum(-1), 1.0, rtol=1e-5)  # Qwen3-MoE renormalizes the top-k
+    second = first + list(c1.token_ids) + random_prompt(rng, 20)
+    (c2,), (o2,) = run(llm, [second], greedy(6, extra_args=WEIGHTS))
+    assert o2.num_cached_tokens >= 96
+    oracle.check(second, c2)
+    w2 = oracle.check_weights(second, c2)
+    n = len(first) + 11
+    # the cached prefix's weights (read back from the route store) are the first computation's, bit for bit
+    assert np.array_equal(w2[:n], w1[:n]) and np.array_equal(c2.routed_experts[:n], c1.routed_experts[:n])
+    # the same prompt without the flag: ids only, identical
+    (c3,), _ = run(llm, [second], greedy(6))
+    assert getattr(c3, "routing_weights", None) is None and c3.routed_experts.dtype == np.uint8
+    assert np.array_equal(c3.routed_experts, c2.routed_experts)
+
+
+def test_routing_weights_with_prompt_start_and_concurrent_requests(llm, oracle):
+    rng = np.random.default_rng(61)
+    prompts = [random_prompt(rng, int(n)) for n in (30, 75, 50)]
+    params = [greedy(8, extra_args=WEIGHTS, routed_experts_prompt_start=s) for s in (0, 40, 49)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for p, s, o in zip(prompts, (0, 40, 49), outs, strict=True):
+        oracle.check(p, o.outputs[0], s)
+        oracle.check_weights(p, o.outputs[0], s)
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_routing_weights_flag_must_be_a_bool_offline(llm, value):
+    from vllm.exceptions import VLLMValidationError
+
+    prompt = random_prompt(np.random.default_rng(62), 20)
+    with pytest.raises(VLLMValidationError, match="return_routing_weights"):
+        run(llm, [prompt], greedy(4, extra_args={"return_routing_weights": value}))

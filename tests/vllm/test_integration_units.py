@@ -78,9 +78,13 @@ def test_request_flag_normalization_and_check():
     with pytest.raises(VLLMValidationError, match="shared|reach"):
         check_request_flag(SamplingParams(extra_args={"routed_experts_output": "keys"}), store="arena")
     check_request_flag(SamplingParams(extra_args={"routed_experts_output": "keys"}), store="redis")
-    with pytest.raises(VLLMValidationError, match="return_routing_weights is not supported"):
-        check_request_flag(SamplingParams(extra_args={"return_routing_weights": True}))
-    check_request_flag(SamplingParams(extra_args={"return_routing_weights": False}))
+    with pytest.raises(VLLMValidationError, match="return_routing_weights=true needs .*routing_weights=True"):
+        check_request_flag(SamplingParams(extra_args={"return_routing_weights": True}), weights=False)
+    check_request_flag(SamplingParams(extra_args={"return_routing_weights": True}), weights=True)
+    check_request_flag(SamplingParams(extra_args={"return_routing_weights": False}), weights=False)
+    for bad in ("yes", 1, None):
+        with pytest.raises(VLLMValidationError, match="return_routing_weights must be true or false"):
+            check_request_flag(SamplingParams(extra_args={"return_routing_weights": bad}), weights=True)
 
 
 def test_rejected_rows_count_only_drafted_requests():

@@ -8,7 +8,8 @@ equal to transformers' full forward, for block-aligned and unaligned prompts, wi
 on both sides. With an in-process store the decode side recomputes the prompt instead (correct,
 no error) and auxout warns at startup. Two engines sharing a Redis namespace publish a common
 prefix once, and an engine restarted against the same store and connector directory serves old
-prefixes' routes without recomputing them.
+prefixes' routes without recomputing them. The Redis-backed engines capture routing weights too:
+the decode side returns the prefill side's weights of the prompt it never ran.
 """
 
 from __future__ import annotations
@@ -60,7 +61,10 @@ def pd_engine(model_path: str, kv_dir: str, role: str, **auxout: object):  # typ
 
 
 def redis_opts(url: str) -> dict:
-    return {"store": "redis", "namespace": "pd", "store_options": {"url": url, "namespace": "pdtest"}}
+    return {
+        "store": "redis", "namespace": "pd", "store_options": {"url": url, "namespace": "pdtest"},
+        "routing_weights": True,
+    }  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +108,19 @@ def test_decode_side_returns_whole_sequence_routes(prefill, decode, oracle, leng
     oracle.check(prompt, d.outputs[0])
     # the decode side never ran those prompt tokens: their routes came from Redis, exact
     assert np.array_equal(d.outputs[0].routed_experts[: full - 1], p.outputs[0].routed_experts[: full - 1])
+
+
+def test_decode_side_returns_the_prefill_sides_routing_weights(prefill, decode, oracle):
+    prompt = random_prompt(np.random.default_rng(99), 100)
+    weights = {"extra_args": {"return_routing_weights": True}}
+    p = gen(prefill, prompt, 1, **weights)
+    d = gen(decode, prompt, 10, **weights)
+    full = (len(prompt) - 2) // BLOCK * BLOCK
+    assert d.num_cached_tokens == full and "auxout_recomputed_tokens" not in (d.kv_transfer_params or {})
+    oracle.check(prompt, d.outputs[0])
+    w = oracle.check_weights(prompt, d.outputs[0])
+    # the decode side never ran those prompt tokens: their weights came from Redis with the ids, exact
+    assert np.array_equal(w[: full - 1], p.outputs[0].routing_weights[: full - 1])
 
 
 def test_prompt_start_and_prefix_hits_on_both_sides(prefill, decode, oracle):

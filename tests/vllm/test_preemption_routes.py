@@ -1,7 +1,8 @@
 """Routes stay bit-exact when the KV cache is too small and vLLM preempts and recomputes requests.
 
 Second architecture (Mixtral), default multiprocess engine core, so scheduler metadata and
-worker step outputs cross process boundaries as in production.
+worker step outputs cross process boundaries as in production. The engine captures routing
+weights (``routing_weights=True``); requests that do not ask for them get the ids alone.
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ def model_path() -> str:
 
 @pytest.fixture(scope="module")
 def llm(model_path: str):
-    engine = make_llm(model_path, max_model_len=320, num_gpu_blocks_override=KV_BLOCKS, max_num_seqs=8)
+    engine = make_llm(
+        model_path, auxout={"routing_weights": True}, max_model_len=320, num_gpu_blocks_override=KV_BLOCKS,
+        max_num_seqs=8,
+    )  # fmt: skip
     yield engine
     close_llm(engine)
 
@@ -56,3 +60,19 @@ def test_multi_turn_after_preemption(llm, oracle):
     assert o2.num_cached_tokens >= 64
     rows = oracle.check(second, o2.outputs[0], prompt_start=len(first) + 19)
     assert rows.shape == (len(second) + 20 - 1 - (len(first) + 19), 2, 2)
+
+
+def test_preemption_keeps_routing_weights_exact(llm, oracle):
+    rng = np.random.default_rng(22)
+    prompts = [random_prompt(rng, 48 + 9 * i) for i in range(5)]
+    asks = [i % 2 == 0 for i in range(5)]
+    params = [greedy(100, extra_args={"return_routing_weights": True}) if a else greedy(100) for a in asks]
+    before = metric(llm, "vllm:num_preemptions")
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert metric(llm, "vllm:num_preemptions") > before, "the KV cache was large enough: no preemption"
+    for p, o, a in zip(prompts, outs, asks, strict=True):
+        oracle.check(p, o.outputs[0])
+        if a:  # Mixtral's rule (softmax, top-2, renormalized) through preemption and recompute
+            oracle.check_weights(p, o.outputs[0])
+        else:
+            assert getattr(o.outputs[0], "routing_weights", None) is None

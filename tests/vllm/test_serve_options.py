@@ -21,10 +21,11 @@ def test_every_option_has_a_flag():
     argv = vllm_argv([
         "/m", "--auxout-store", "redis", "--auxout-store-options", json.dumps(REDIS), "--auxout-max-bytes", "4096",
         "--auxout-namespace", "ns", "--auxout-default-return", "false", "--auxout-output", "keys",
+        "--auxout-routing-weights", "true",
     ])  # fmt: skip
     got = VllmOptions.from_dict(options_of(argv))
     assert got == VllmOptions(store="redis", store_options=REDIS, max_bytes=4096, namespace="ns",
-                              default_return=False, output="keys")  # fmt: skip
+                              default_return=False, output="keys", routing_weights=True)  # fmt: skip
     assert not any(a.startswith("--auxout") for a in argv)
 
 
@@ -49,6 +50,8 @@ def test_user_additional_config_and_env_are_honoured():
         (["/m", "--auxout-store", "nosuch"], None, "nosuch"),
         (["/m", "--auxout-output", "keys"], None, "keys"),
         (["/m", "--auxout-max-bytes", "0"], None, "positive"),
+        (["/m", "--auxout-routing-weights", "maybe"], None, "--auxout-routing-weights"),
+        (["/m"], '{"routing_weights": "yes"}', "routing_weights must be a bool"),
         (["/m", "--auxout-store-options", "[1]"], None, "JSON object"),
         (["/m", "--auxout-bogus", "1"], None, "--auxout-bogus"),
         (["/m", "--auxout-namespace", "a", "--additional-config", json.dumps({CONFIG_KEY: {"namespace": "b"}})],

@@ -2,13 +2,15 @@
 
 One real server subprocess for the module (Qwen3-MoE tiny model with its tokenizer, Redis store:
 the store comes from a flag, its options from ``AUXOUT_VLLM_OPTIONS`` and the namespace from the
-user's ``--additional-config``), driven by the official ``openai`` client and plain HTTP. Every
-route array is checked against transformers' full forward of the exact tokens the server reports.
+user's ``--additional-config``; routing weights captured, ``--auxout-routing-weights true``),
+driven by the official ``openai`` client and plain HTTP. Every route array is checked against
+transformers' full forward of the exact tokens the server reports.
 """
 
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -43,6 +45,7 @@ def server(model_path: str, tmp_path_factory: pytest.TempPathFactory):
             "--block-size", "32", "--max-model-len", "512", "--max-num-batched-tokens", "64",
             "--enable-prompt-tokens-details", "--seed", "0",
             "--auxout-store", "redis", "--additional-config", json.dumps({"auxout": {"namespace": "http"}}),
+            "--auxout-routing-weights", "true",
         ]  # fmt: skip
         options = {"store_options": {"url": redis.url, "namespace": "srv"}}
         env = {"AUXOUT_VLLM_OPTIONS": json.dumps(options)}
@@ -80,7 +83,14 @@ def sse(server, path: str, payload: dict[str, Any]) -> list[dict[str, Any]]:
     return events
 
 
-def stitched(events: list[dict[str, Any]], index: int = 0) -> tuple[int, np.ndarray, list[int], list[int]]:
+def check_weights(oracle: Oracle, tokens: list[int], ids: np.ndarray, weights: np.ndarray, start: int) -> None:
+    """The weights against transformers' router weights (per expert id, fp32)."""
+    oracle.check_weights([], SimpleNamespace(token_ids=tokens, routed_experts=ids, routing_weights=weights), start)
+
+
+def stitched(
+    events: list[dict[str, Any]], index: int = 0, name: str = "routed_experts"
+) -> tuple[int, np.ndarray, list[int], list[int]]:
     """(first start, concatenated rows, prompt ids, output ids) of one streamed choice; checks contiguity."""
     parts, first, expect_next = [], None, None
     prompt: list[int] = []
@@ -92,13 +102,14 @@ def stitched(events: list[dict[str, Any]], index: int = 0) -> tuple[int, np.ndar
             prompt = prompt or (c.get("prompt_token_ids") or [])
             out += c.get("token_ids") or []
             if c.get("routed_experts") is None:
+                assert c.get("routing_weights") is None, "weights without their ids"
                 continue
             start = c["routed_experts_start"]
             if first is None:
                 first = start
             else:
                 assert start == expect_next, "streamed rows are not contiguous"
-            rows = decode_routes(c)
+            rows = decode_routes(c, name)
             assert rows is not None and rows.shape[1:] == (2, 4)
             parts.append(rows)
             expect_next = start + len(rows)
@@ -258,6 +269,8 @@ def test_keys_only_over_http_returns_a_manifest(server, oracle):
         ({"routed_experts_session": "s", "n": 2, "temperature": 1.0}, "routed_experts_session"),
         ({"routed_experts_session": "s", "routed_experts_prompt_start": 3}, "routed_experts_session"),
         ({"return_routing_weights": "yes"}, "return_routing_weights"),
+        ({"return_routing_weights": 1}, "return_routing_weights"),
+        ({"return_routing_weights": None}, "return_routing_weights"),
     ],
 )
 def test_bad_new_fields_get_400_naming_the_field(server, oracle, extra, field):
@@ -271,3 +284,73 @@ def test_bad_new_fields_get_400_naming_the_field(server, oracle, extra, field):
         assert field in r.text
     ok = server.post("/v1/completions", json=body(server, prompt=prompt, max_tokens=2)).json()["choices"][0]
     check(oracle, prompt + ok["token_ids"], decode_routes(ok), 0)
+
+
+WEIGHTS = {"return_routing_weights": True}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_routing_weights_in_every_format(server, oracle, fmt):
+    prompt = random_prompt(np.random.default_rng(90), 70)
+    r = server.post("/v1/completions", json=body(server, prompt=prompt, max_tokens=5, routed_experts_format=fmt, **WEIGHTS))
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    ids, weights = decode_routes(c), decode_routes(c, "routing_weights")
+    assert c["routing_weights_format"] == fmt and c["routing_weights_dtype"] == "float32"
+    assert c["routing_weights_shape"] == c["routed_experts_shape"] == [74, 2, 4] and c["routed_experts_start"] == 0
+    assert c["routed_experts_dtype"] == ("uint8" if fmt != "sglang" else "int32")
+    tokens = prompt + c["token_ids"]
+    check(oracle, tokens, ids, 0)
+    check_weights(oracle, tokens, ids, weights, 0)
+    plain = server.post("/v1/completions", json=body(server, prompt=prompt, max_tokens=5, routed_experts_format=fmt))
+    p = plain.json()["choices"][0]
+    assert "routing_weights" not in p and np.array_equal(decode_routes(p), ids), "asking for weights changed the ids"
+
+
+def test_routing_weights_streamed_and_session_deltas(server, oracle):
+    rng = np.random.default_rng(91)
+    prompt = random_prompt(rng, 70)
+    full = server.post("/v1/completions", json=body(server, prompt=prompt, max_tokens=8, **WEIGHTS)).json()["choices"][0]
+    events = sse(server, "/v1/completions", body(server, prompt=prompt, max_tokens=8, routed_experts_session="w-s", **WEIGHTS))
+    start, ids, _, out = stitched(events)
+    wstart, weights, _, _ = stitched(events, name="routing_weights")
+    assert start == wstart == 0 and out == full["token_ids"] and weights.dtype == np.float32
+    np.testing.assert_array_equal(ids, decode_routes(full))
+    np.testing.assert_allclose(weights, decode_routes(full, "routing_weights"), rtol=1e-6, atol=1e-7)
+    check_weights(oracle, prompt + out, ids, weights, 0)
+    # next turn of the session, not streamed: only the rows the client lacks, weights aligned with the ids
+    second = prompt + out + random_prompt(rng, 10)
+    c2 = server.post("/v1/completions", json=body(server, prompt=second, max_tokens=4, routed_experts_session="w-s",
+                                                  **WEIGHTS)).json()["choices"][0]  # fmt: skip
+    assert c2["routed_experts_start"] == len(prompt) + len(out) - 1
+    ids2, w2 = decode_routes(c2), decode_routes(c2, "routing_weights")
+    check(oracle, second + c2["token_ids"], ids2, c2["routed_experts_start"])
+    check_weights(oracle, second + c2["token_ids"], ids2, w2, c2["routed_experts_start"])
+
+
+def test_routing_weights_in_chat_n_and_keys_only(server, oracle):
+    resp = server.openai.chat.completions.create(
+        model=server.model_path, messages=[{"role": "user", "content": "Weights, please."}], max_tokens=5,
+        temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True, **WEIGHTS},
+    )  # fmt: skip
+    choice = resp.choices[0]
+    tokens = list(resp.model_extra["prompt_token_ids"]) + list(choice.model_extra["token_ids"])
+    ids, weights = decode_routes(choice), decode_routes(choice, "routing_weights")
+    check(oracle, tokens, ids, 0)
+    check_weights(oracle, tokens, ids, weights, 0)
+    prompt = random_prompt(np.random.default_rng(92), 50)
+    r = server.post("/v1/completions", json=body(server, prompt=prompt, max_tokens=6, n=2, temperature=1.0, **WEIGHTS))
+    choices = r.json()["choices"]
+    assert sorted(c["index"] for c in choices) == [0, 1]
+    for c in choices:  # every choice its own ids and weights
+        ids, weights = decode_routes(c), decode_routes(c, "routing_weights")
+        check(oracle, prompt + c["token_ids"], ids, 0)
+        check_weights(oracle, prompt + c["token_ids"], ids, weights, 0)
+    r = server.post("/v1/completions", json=body(
+        server, prompt=prompt, max_tokens=5, vllm_xargs={"routed_experts_output": "keys"}, **WEIGHTS))
+    c = r.json()["choices"][0]
+    manifest = RouteManifest.from_dict(c["routed_experts_manifest"])
+    assert manifest.has_weights and c.get("routing_weights") is None
+    ids, weights = fetch(manifest, weights=True)
+    check(oracle, prompt + c["token_ids"], ids, 0)
+    check_weights(oracle, prompt + c["token_ids"], ids, weights, 0)

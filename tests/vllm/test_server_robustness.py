@@ -128,6 +128,9 @@ def test_out_of_vocabulary_token_id_is_a_400(server, oracle, vocab):
         ({"vllm_xargs": {"return_routed_experts": "false"}}, "vllm_xargs.return_routed_experts"),
         ({"vllm_xargs": {"routed_experts_output": "bogus"}}, "vllm_xargs.routed_experts_output"),
         ({"vllm_xargs": {"routed_experts_output": "keys"}}, "routed_experts_output"),  # no shared store here
+        ({"return_routing_weights": True}, "return_routing_weights"),  # this server captures no weights
+        ({"vllm_xargs": {"return_routing_weights": True}}, "return_routing_weights"),
+        ({"vllm_xargs": {"return_routing_weights": 1}}, "vllm_xargs.return_routing_weights"),
     ],
 )
 def test_route_fields_have_strict_types(server, extra, field):

@@ -6,6 +6,12 @@ by MoE layer *order* (dense layers are skipped), already narrowed to the profile
 step's snapshot is one contiguous copy. On CPU the buffer is a numpy array (a numpy assignment
 costs a few microseconds, a small strided torch ``copy_`` several times that); on accelerators
 it is a device tensor, so capture never synchronizes with the host.
+
+With routing weights on (``RouteProfile.weights``), each router instance's ``select_experts``
+(vLLM's public routing call, which returns the ``(topk_weights, topk_ids)`` the experts combine
+with) is wrapped on that instance only, and the weights land next to the ids in the same slots.
+The ids still come from ``capture_fn`` (logical, before the EPLB remap; the remap is per slot, so
+the slot order is the same).
 """
 
 from __future__ import annotations
@@ -47,12 +53,13 @@ def find_moe_routers_with_ids(model: torch.nn.Module) -> list[tuple[int, Any]]:
     return routers  # empty on a PP stage without MoE layers
 
 
-def profile_from_model_config(model_config: Any, num_moe_layers: int) -> RouteProfile:
+def profile_from_model_config(model_config: Any, num_moe_layers: int, weights: bool = False) -> RouteProfile:
     """Route shape from vLLM's model config and the number of bound MoE layers."""
     return RouteProfile(
         num_layers=num_moe_layers,
         top_k=int(model_config.get_num_experts_per_tok()),
         num_experts=int(model_config.get_num_experts()),
+        weights=weights,
     )
 
 
@@ -76,13 +83,24 @@ class RouteCapture:
         if self.on_host and torch.device(device).type != "cpu":
             raise ValueError(f"a numpy capture buffer lives on the host, not on {device}")
         self.host_buffer = np.zeros(shape, dtype=profile.dtype)
-        self.buffer = (
-            torch.from_numpy(self.host_buffer)
-            if self.on_host
-            else torch.zeros(shape, dtype=_TORCH_DTYPES[profile.dtype], device=device)
-        )
+        self._id_size = profile.id_dtype.itemsize
+        if profile.weights:  # torch has no structured dtype: the tensor is the rows' bytes
+            self._host_ids, self._host_w = self.host_buffer["id"], self.host_buffer["w"]
+            byte_shape = (max_tokens, profile.num_layers, profile.top_k * profile.dtype.itemsize)
+            self.buffer = (
+                torch.from_numpy(self.host_buffer.view(np.uint8))
+                if self.on_host
+                else torch.zeros(byte_shape, dtype=torch.uint8, device=device)
+            )
+        else:
+            self.buffer = (
+                torch.from_numpy(self.host_buffer)
+                if self.on_host
+                else torch.zeros(shape, dtype=_TORCH_DTYPES[profile.dtype], device=device)
+            )
         self._routers: list[Any] = []
         self.columns: list[int] = []  # model-order MoE column of each bound router
+        self._unweighted = 0  # id captures not (yet) followed by their weights: must be 0 at snapshot
 
     def bind(self, routers: list[Any], columns: list[int] | None = None) -> None:
         """Route router ``i`` into column ``columns[i]`` (default ``i``: all layers are local).
@@ -98,7 +116,11 @@ class RouteCapture:
         if any(not 0 <= c < self.profile.num_layers for c in columns):
             raise ValueError(f"columns {columns} out of range for {self.profile.num_layers} MoE layers")
         for column, router in zip(columns, routers):
-            router.set_capture_fn(partial(self._capture, column))
+            if self.profile.weights:
+                router.set_capture_fn(partial(self._capture_ids, column))
+                _wrap_select_experts(router, partial(self._capture_weights, column))
+            else:
+                router.set_capture_fn(partial(self._capture, column))
         self._routers = routers
         self.columns = list(columns)
 
@@ -120,6 +142,8 @@ class RouteCapture:
     def unbind(self) -> None:
         for router in self._routers:
             router.set_capture_fn(None)
+            if "select_experts" in vars(router):  # our per-instance wrapper: the class method again
+                del router.select_experts
         self._routers = []
         self.columns = []
 
@@ -132,17 +156,65 @@ class RouteCapture:
         else:
             self.buffer[:n, layer].copy_(topk_ids)
 
+    def _capture_ids(self, layer: int, topk_ids: torch.Tensor) -> None:
+        """:meth:`_capture` with routing weights on: the ids go into the slots' id field."""
+        n = topk_ids.shape[0]
+        if n > self.max_tokens:
+            raise InvariantError(f"MoE layer {layer} routed {n} tokens, capture buffer holds {self.max_tokens}")
+        self._unweighted += 1
+        if self.on_host:
+            self._host_ids[:n, layer] = topk_ids.numpy()
+        else:
+            ids = topk_ids.to(_TORCH_DTYPES[self.profile.id_dtype]).contiguous().view(torch.uint8)
+            self._slots(n, layer)[..., : self._id_size].copy_(ids.view(n, self.profile.top_k, self._id_size))
+
+    def _capture_weights(self, layer: int, topk_weights: torch.Tensor) -> None:
+        n = topk_weights.shape[0]
+        if n > self.max_tokens:
+            raise InvariantError(f"MoE layer {layer} routed {n} tokens, capture buffer holds {self.max_tokens}")
+        self._unweighted -= 1
+        if self.on_host:
+            self._host_w[:n, layer] = topk_weights.float().numpy()
+        else:
+            w = topk_weights.to(torch.float32).contiguous().view(torch.uint8)
+            self._slots(n, layer)[..., self._id_size :].copy_(w.view(n, self.profile.top_k, 4))
+
+    def _slots(self, n: int, layer: int) -> torch.Tensor:
+        """Device byte buffer rows ``[:n]`` of one layer as ``[n, top_k, item bytes]`` (a view)."""
+        return self.buffer[:n, layer].view(n, self.profile.top_k, self.profile.dtype.itemsize)
+
     def snapshot(self, num_rows: int) -> np.ndarray:
         """A new host array with this step's first ``num_rows`` rows (the buffer is reused next step)."""
         if not 0 <= num_rows <= self.max_tokens:
             raise InvariantError(f"snapshot of {num_rows} rows exceeds capture buffer of {self.max_tokens}")
+        if self._unweighted:
+            self._unweighted = 0
+            raise InvariantError(
+                "routing weights were not captured for every routed layer this step: the router was "
+                "called without its select_experts (a code path auxout does not wrap)"
+            )
         if self.on_host:
             return self.host_buffer[:num_rows].copy()
         # copy=True: on a CPU device .cpu() would alias the buffer the next step overwrites
-        return self.buffer[:num_rows].to("cpu", copy=True).numpy()
+        rows = self.buffer[:num_rows].to("cpu", copy=True).numpy()
+        return rows.view(self.profile.dtype) if self.profile.weights else rows
 
 
-def bind_capture(model: torch.nn.Module, model_config: Any, max_tokens: int, pp_size: int = 1) -> RouteCapture:
+def _wrap_select_experts(router: Any, record: Any) -> None:
+    """Record the combine weights ``router.select_experts`` returns (this instance only)."""
+    original = type(router).select_experts.__get__(router)
+
+    def select_experts(*args: Any, **kwargs: Any) -> Any:
+        topk_weights, topk_ids = original(*args, **kwargs)
+        record(topk_weights)
+        return topk_weights, topk_ids
+
+    router.select_experts = select_experts
+
+
+def bind_capture(
+    model: torch.nn.Module, model_config: Any, max_tokens: int, pp_size: int = 1, weights: bool = False
+) -> RouteCapture:
     """Find the MoE routers of ``model`` (this PP stage's) and bind a fresh capture buffer to them.
 
     The buffer always spans every MoE layer of the model, in model order.
@@ -154,6 +226,6 @@ def bind_capture(model: torch.nn.Module, model_config: Any, max_tokens: int, pp_
     if total == 0:
         raise ValueError("auxout found no fused-MoE router in the model: routes need an MoE model")
     device = next(model.parameters()).device
-    capture = RouteCapture(profile_from_model_config(model_config, total), max_tokens, device)
+    capture = RouteCapture(profile_from_model_config(model_config, total, weights), max_tokens, device)
     capture.bind([router for _, router in found], columns)
     return capture

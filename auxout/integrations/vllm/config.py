@@ -23,8 +23,9 @@ def engine_kwargs(**options: Any) -> dict[str, Any]:
     """Keyword arguments to merge into ``vllm.LLM(...)`` / ``EngineArgs(...)``.
 
     ``options`` are :class:`VllmOptions` fields (``store``, ``max_bytes``, ``default_return``,
-    ``namespace``, ``store_options``); they travel in ``additional_config["auxout"]``, which
-    vLLM pickles into its engine-core and worker processes.
+    ``namespace``, ``store_options``, ``output``, ``routing_weights``); they travel in
+    ``additional_config["auxout"]``, which vLLM pickles into its engine-core and worker processes.
+    Also installs, in this process, the split of returned rows into ids and routing weights.
 
     Prefix caching is not set here (vLLM turns it on by default for every model that supports it),
     so ``LLM(path, enable_prefix_caching=True, **engine_kwargs())`` works; the worker refuses to
@@ -32,9 +33,11 @@ def engine_kwargs(**options: Any) -> dict[str, Any]:
     (where vLLM builds requests), so bad inputs fail with a clear error before the engine.
     """
     from auxout.integrations.vllm.validation import install_request_validation
+    from auxout.integrations.vllm.weights_output import install_weights_split
 
     opts = VllmOptions.from_dict(options)
     install_request_validation()
+    install_weights_split()
     return {
         "scheduler_cls": SCHEDULER_CLS,
         "worker_cls": default_worker_cls(),
@@ -58,7 +61,8 @@ def route_keyspace(vllm_config: Any, opts: VllmOptions, hash_block: int) -> KeyS
         num_layers=int(getattr(mc.hf_text_config, "num_hidden_layers", 0) or 0),
         top_k=int(mc.get_num_experts_per_tok()),
         num_experts=experts,
-        dtype="uint8" if experts <= 256 else "uint16",
+        # with weights the objects hold (id, float32 weight) slots: another layout, another key
+        dtype=("uint8" if experts <= 256 else "uint16") + ("+w:float32" if opts.routing_weights else ""),
         block_size=hash_block,
         hash_algo=str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256")),
     )

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from auxout.integrations.vllm.options import OUTPUT_FLAG, REQUEST_FLAG
+from auxout.integrations.vllm.options import OUTPUT_FLAG, REQUEST_FLAG, WEIGHTS_FLAG
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -58,11 +58,9 @@ def body_problem(body: object) -> tuple[str, str] | None:
             f"{PROMPT_START} is a top-level field of the request body, not a vllm_xargs entry: "
             f'send {{"{PROMPT_START}": N, ...}}',
         )
-    if REQUEST_FLAG in xargs and not isinstance(xargs[REQUEST_FLAG], bool):
-        return (
-            f"vllm_xargs.{REQUEST_FLAG}",
-            f"vllm_xargs.{REQUEST_FLAG} must be JSON true or false, got {json.dumps(xargs[REQUEST_FLAG])}",
-        )
+    for flag in (REQUEST_FLAG, WEIGHTS_FLAG):
+        if flag in xargs and not isinstance(xargs[flag], bool):
+            return f"vllm_xargs.{flag}", f"vllm_xargs.{flag} must be JSON true or false, got {json.dumps(xargs[flag])}"
     if OUTPUT_FLAG in xargs and xargs[OUTPUT_FLAG] not in ("inline", "keys"):
         return (
             f"vllm_xargs.{OUTPUT_FLAG}",

@@ -12,7 +12,10 @@ non-streaming responses only. This module, installed in the API-server process b
   per engine step for streamed requests); concatenating the chunks of a choice gives exactly the
   non-streaming array;
 - ``routed_experts_session``: only rows the client does not hold yet (:mod:`auxout.sessions`);
-- keys-only output: the route manifest of each choice as ``routed_experts_manifest``.
+- keys-only output: the route manifest of each choice as ``routed_experts_manifest``;
+- ``return_routing_weights: true`` (on a server started with ``--auxout-routing-weights true``):
+  ``routing_weights`` next to the ids, float32, same shape, start and format (``routing_weights_*``
+  fields), streamed and session-delta'd exactly like them.
 
 The hooks wrap, without copying, five vLLM methods: the two requests' ``to_sampling_params``
 (check the new fields, 400 naming the field), ``AsyncLLM.generate`` (session start, per-step row
@@ -29,7 +32,16 @@ from typing import Any
 
 import numpy as np
 
-from auxout.integrations.vllm.options import MANIFEST_FIELD, OUTPUT_FLAG, SHARED_STORES, VllmOptions
+from auxout.integrations.vllm.options import (
+    MANIFEST_FIELD,
+    OUTPUT_FLAG,
+    SHARED_STORES,
+    WEIGHTS_FLAG,
+    WEIGHTS_OUTPUT,
+    VllmOptions,
+)
+from auxout.integrations.vllm.weights_output import structured
+from auxout.profile import join_rows, split_rows
 from auxout.sessions import SessionStore
 from auxout.wire import DEFAULT_FORMAT, FORMATS, encode
 
@@ -37,7 +49,7 @@ logger = logging.getLogger("auxout.vllm")
 
 FORMAT_FIELD = "routed_experts_format"
 SESSION_FIELD = "routed_experts_session"
-WEIGHTS_FIELD = "return_routing_weights"
+WEIGHTS_FIELD = WEIGHTS_FLAG
 START_FIELD = "routed_experts_start"
 MANIFEST_OUT_FIELD = "routed_experts_manifest"
 _PARAMS_KEY = "auxout_http"
@@ -68,9 +80,11 @@ def check_route_fields(extra: dict[str, Any], *, n: int, prompt_start: int, use_
     weights = extra.get(WEIGHTS_FIELD, False)
     if not isinstance(weights, bool):
         raise _FieldError(WEIGHTS_FIELD, f"{WEIGHTS_FIELD} must be a boolean, got {weights!r}")
+    if weights and not options.routing_weights:
+        raise _FieldError(WEIGHTS_FIELD, f"{WEIGHTS_FIELD}=true needs a server that captures routing weights: "
+                          "start it with --auxout-routing-weights true")
     if weights:
-        raise _FieldError(WEIGHTS_FIELD, f"{WEIGHTS_FIELD} is not available on this server yet: "
-                          "vLLM's router capture hands auxout expert ids only")
+        fields["weights"] = True
     if output_flag == "keys" and options.store not in SHARED_STORES:
         raise _FieldError(OUTPUT_FLAG, f"{OUTPUT_FLAG}='keys' needs a server started with a shared store "
                           f"(--auxout-store {' or '.join(SHARED_STORES)}); this one uses {options.store!r}")
@@ -95,6 +109,7 @@ class ChoiceRows:
         self.consumed = 0
         self.final: np.ndarray | None = None
         self.manifest: Any = None
+        self.weighted = False  # chunks carry (id, weight) rows
 
     def observe(self, output: Any, prompt_len: int | None) -> None:
         if prompt_len is not None and self.tokens == 0:
@@ -104,7 +119,11 @@ class ChoiceRows:
         if chunks is not None:
             self.chunks = chunks
         if output.routed_experts is not None:  # finished: the whole array, from ``start``
-            self.final = output.routed_experts
+            weights = getattr(output, WEIGHTS_OUTPUT, None)
+            if weights is not None:
+                self.final = join_rows(output.routed_experts, weights)
+            elif not self.weighted:  # (vLLM's output merging keeps the ids only: the chunks have all)
+                self.final = output.routed_experts
 
     def _pull(self) -> None:
         if self.final is not None:
@@ -112,8 +131,9 @@ class ChoiceRows:
             return
         if self.chunks is None or len(self.chunks) <= self.consumed:
             return
-        new = self.chunks[self.consumed :]
+        new = [structured(c) for c in self.chunks[self.consumed :]]
         self.consumed += len(new)
+        self.weighted = self.weighted or any(c.dtype.names is not None for c in new)
         parts = ([self.pending] if self.pending is not None else []) + list(new)
         self.pending = np.concatenate(parts) if len(parts) > 1 else parts[0]
 
@@ -157,6 +177,8 @@ class RouteResponder:
         except _FieldError as exc:
             raise VLLMValidationError(str(exc), parameter=exc.field, value=extra_fields.get(exc.field)) from None
         params.extra_args = {**extra_args, _PARAMS_KEY: fields}
+        if fields.get("weights"):  # the engine core sends this request's rows with their weights
+            params.extra_args[WEIGHTS_FLAG] = True
         return params
 
     # -- engine side --------------------------------------------------------------------------
@@ -193,8 +215,11 @@ class RouteResponder:
     def route_fields(self, rows: np.ndarray | None, start: int, fmt: str, manifest: Any = None) -> dict[str, Any]:
         fields: dict[str, Any] = {}
         if rows is not None:
-            fields = encode(rows, fmt, num_experts=self.num_experts)
+            ids, weights = split_rows(rows)
+            fields = encode(ids, fmt, num_experts=self.num_experts)
             fields[START_FIELD] = start
+            if weights is not None:
+                fields.update(encode(weights, fmt, name=WEIGHTS_OUTPUT))
         if manifest is not None:
             fields[MANIFEST_OUT_FIELD] = manifest
         return fields
@@ -208,7 +233,10 @@ class RouteResponder:
                 continue
             res, output = hit
             manifest = (getattr(res, "kv_transfer_params", None) or {}).get(MANIFEST_FIELD)
-            fields = self.route_fields(output.routed_experts, getattr(res, "auxout_route_start", 0), fmt, manifest)
+            rows, weights = output.routed_experts, getattr(output, WEIGHTS_OUTPUT, None)
+            if rows is not None and weights is not None:
+                rows = join_rows(rows, weights)
+            fields = self.route_fields(rows, getattr(res, "auxout_route_start", 0), fmt, manifest)
             for key, value in fields.items():
                 setattr(choice, key, value)
         return response

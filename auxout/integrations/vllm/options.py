@@ -25,6 +25,10 @@ RECOMPUTED_FIELD = "auxout_recomputed_tokens"
 """Key in a finished request's ``kv_transfer_params``: prefix-hit tokens recomputed for lack of routes."""
 INLINE_REASON_FIELD = "auxout_routes_inline_reason"
 """Key in ``kv_transfer_params`` when a keys-only request got its rows inline (manifest unpublishable)."""
+WEIGHTS_FLAG = "return_routing_weights"
+"""``SamplingParams.extra_args`` key (HTTP: top-level body field) asking for the routing weights too."""
+WEIGHTS_OUTPUT = "routing_weights"
+"""``CompletionOutput`` attribute (HTTP: ``choices[i]`` field) holding them: float32, shaped like the ids."""
 SHARED_STORES = ("redis", "mooncake")
 """Stores the scheduler process can reach too: keys-only output needs one."""
 
@@ -42,7 +46,10 @@ class VllmOptions:
     (None = as many route blocks as the KV cache holds hash blocks); ``default_return``: whether
     requests get routes unless they say otherwise; ``namespace``: key namespace in shared stores;
     ``store_options``: extra keyword arguments for the store; ``output``: ``"inline"`` arrays or
-    ``"keys"`` manifests by default (keys needs a shared store: redis or mooncake)."""
+    ``"keys"`` manifests by default (keys needs a shared store: redis or mooncake);
+    ``routing_weights``: capture the router's top-k combine weights with the ids (for every
+    request, so cached prefixes carry them; requests then ask for them with
+    ``return_routing_weights``)."""
 
     store: str = "arena"
     max_bytes: int | None = None
@@ -50,6 +57,7 @@ class VllmOptions:
     namespace: str = "local"
     store_options: dict[str, Any] = field(default_factory=dict)
     output: str = "inline"
+    routing_weights: bool = False
 
     def __post_init__(self) -> None:
         if self.output not in ("inline", "keys"):
@@ -62,6 +70,8 @@ class VllmOptions:
             isinstance(self.max_bytes, bool) or not isinstance(self.max_bytes, int) or self.max_bytes <= 0
         ):
             raise ValueError(f"auxout option max_bytes must be a positive int or None, got {self.max_bytes!r}")
+        if not isinstance(self.routing_weights, bool):
+            raise ValueError(f"auxout option routing_weights must be a bool, got {self.routing_weights!r}")
         if not isinstance(self.default_return, bool):
             raise ValueError(f"auxout option default_return must be a bool, got {self.default_return!r}")
         if not isinstance(self.namespace, str) or not self.namespace:

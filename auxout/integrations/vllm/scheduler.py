@@ -35,6 +35,7 @@ from auxout.integrations.vllm.options import (
     RECOMPUTED_FIELD,
     REQUEST_FLAG,
     SHARED_STORES,
+    WEIGHTS_FLAG,
     VllmOptions,
     normalize_flag,
     options_from_vllm_config,
@@ -43,6 +44,7 @@ from auxout.keys import KeySpace
 from auxout.keys_output import KeysPublisher
 from auxout.manifest import RouteManifest
 from auxout.metadata import StepOutput
+from auxout.profile import rows_as_bytes
 from auxout.scheduler_connector import SchedulerConnector
 from auxout.stores import BlockStore, make_store
 
@@ -56,6 +58,18 @@ def request_route_options(request: Any) -> tuple[object, object, object]:
         return 0, False, None
     extra = params.extra_args or {}
     return params.routed_experts_prompt_start, normalize_flag(extra.get(REQUEST_FLAG)), extra.get(OUTPUT_FLAG)
+
+
+def engine_rows(rows: np.ndarray, request: Any) -> np.ndarray:
+    """What goes into ``EngineCoreOutput.routed_experts``: the ids, or with routing weights
+    captured and asked for, the (id, weight) rows as ``uint8 [n, L, K, item bytes]`` (vLLM's
+    messages carry no structured arrays; the frontend splits them: ``weights_output``)."""
+    if rows.dtype.names is None:
+        return rows
+    params = request.sampling_params
+    if params is not None and normalize_flag((params.extra_args or {}).get(WEIGHTS_FLAG)) is True:
+        return rows_as_bytes(rows)
+    return np.ascontiguousarray(rows["id"])
 
 
 def make_publisher(opts: VllmOptions, block_size: int, keyspace: KeySpace | None = None) -> KeysPublisher | None:
@@ -149,7 +163,8 @@ class SchedulerBridge:
         # streamed (and stop-string) requests get their rows every step: the server sends each
         # step's rows with its tokens (held rows of earlier prefill chunks included)
         if finished or (params is not None and (params.stop or params.output_kind == RequestOutputKind.DELTA)):
-            return self.held.pop(rid)
+            held = self.held.pop(rid)
+            return None if held is None else engine_rows(held, request)
         return None
 
     def hold_uncollected(self, output: StepOutput, requests: Mapping[str, Request], skip: set[str]) -> None:
@@ -353,7 +368,7 @@ def _max_object_nbytes(vllm_config: Any, hash_block: int) -> int:
     """An upper bound on one route object's size (every decoder layer counted as MoE)."""
     mc = vllm_config.model_config
     layers = int(getattr(mc.hf_text_config, "num_hidden_layers", 0) or 1)
-    itemsize = 1 if int(mc.get_num_experts()) <= 256 else 2
+    itemsize = (1 if int(mc.get_num_experts()) <= 256 else 2) + 4  # + a float32 weight, if captured
     return hash_block * layers * int(mc.get_num_experts_per_tok()) * itemsize
 
 

@@ -69,6 +69,7 @@ FLAG_OPTIONS = {  # --auxout-<flag> -> VllmOptions field
     "default_return": "default_return",
     "output": "output",
     "store_options": "store_options",
+    "routing_weights": "routing_weights",
 }
 
 
@@ -87,6 +88,10 @@ def auxout_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--auxout-store-options", type=_json_object, default=None,
         help='store options as JSON, e.g. \'{"url": "redis://127.0.0.1:6379/0", "namespace": "r3"}\'',
+    )  # fmt: skip
+    p.add_argument(
+        "--auxout-routing-weights", type=_bool, default=None,
+        help="capture top-k routing weights with the ids (requests ask for them with return_routing_weights)",
     )  # fmt: skip
     p.add_argument("--auxout-max-sessions", type=_positive_int, default=4096, help="route sessions kept (LRU)")
     p.add_argument(
@@ -208,6 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print("usage: auxout serve MODEL [--auxout-store S] [--auxout-store-options JSON] [--auxout-max-bytes N]")
         print("                          [--auxout-namespace NS] [--auxout-default-return BOOL] [--auxout-output M]")
+        print("                          [--auxout-routing-weights BOOL]")
         print("                          [--auxout-max-sessions N] [--auxout-max-session-tokens N]")
         print("                          [any vLLM server argument...]")
         print(f"options may also come from {ENV_VAR} (JSON) and --additional-config '{{\"{CONFIG_KEY}\": {{...}}}}'")

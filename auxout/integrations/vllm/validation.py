@@ -7,6 +7,8 @@ Each of auxout's per-request fields has one place:
   it against the prompt length.
 - ``return_routed_experts`` and ``routed_experts_output``: ``SamplingParams.extra_args`` offline,
   ``vllm_xargs`` over HTTP. A bool, and ``"inline"`` or ``"keys"``.
+- ``return_routing_weights``: ``SamplingParams.extra_args`` offline, a top-level body field over
+  HTTP. A bool; true needs an engine started with ``routing_weights=True``.
 
 The same field in the other place is rejected, never silently ignored. vLLM turns a JSON
 ``false`` in ``vllm_xargs`` into ``0``, so behind the HTTP server (where
@@ -29,6 +31,8 @@ from auxout.integrations.vllm.options import (
     OUTPUT_FLAG,
     REQUEST_FLAG,
     SHARED_STORES,
+    WEIGHTS_FLAG,
+    VllmOptions,
     normalize_flag,
     options_from_vllm_config,
 )
@@ -44,14 +48,14 @@ def _error(message: str, parameter: str, value: object) -> Exception:
     return VLLMValidationError(message, parameter=parameter, value=value)
 
 
-WEIGHTS_FLAG = "return_routing_weights"
-
-
-def check_request_flag(params: Any, *, flag_as_int: bool | None = None, store: str | None = None) -> None:
+def check_request_flag(
+    params: Any, *, flag_as_int: bool | None = None, store: str | None = None, weights: bool | None = None
+) -> None:
     """Raise vLLM's validation error (HTTP 400) for a bad auxout field on ``SamplingParams``.
 
-    ``flag_as_int``: accept 0/1 for ``return_routed_experts`` (default: only behind the HTTP server).
+    ``flag_as_int``: accept 0/1 for the flags (default: only behind the HTTP server).
     ``store``: the engine's route store, when known (keys-only output needs a shared one).
+    ``weights``: whether the engine captures routing weights, when known.
     """
     as_int = _FLAG_AS_INT if flag_as_int is None else flag_as_int
     extra = getattr(params, "extra_args", None) or {}
@@ -83,12 +87,18 @@ def check_request_flag(params: Any, *, flag_as_int: bool | None = None, store: s
             PROMPT_START,
             extra[PROMPT_START],
         )
-    if extra.get(WEIGHTS_FLAG):  # asked for, not built yet: never silently ignored
-        raise _error(
-            f"{WEIGHTS_FLAG} is not supported yet: routes carry expert ids only (see docs/architecture.md)",
-            WEIGHTS_FLAG,
-            extra[WEIGHTS_FLAG],
-        )
+    if WEIGHTS_FLAG in extra:
+        value = extra[WEIGHTS_FLAG]
+        flag = normalize_flag(value) if as_int else value
+        if not isinstance(flag, bool):
+            raise _error(f"{WEIGHTS_FLAG} must be true or false (in extra_args), got {value!r}", WEIGHTS_FLAG, value)
+        if flag and weights is False:
+            raise _error(
+                f"{WEIGHTS_FLAG}=true needs an engine that captures routing weights: start it with "
+                "engine_kwargs(routing_weights=True) (auxout serve --auxout-routing-weights true)",
+                WEIGHTS_FLAG,
+                value,
+            )
     start = getattr(params, PROMPT_START, 0)
     if start is not None and (isinstance(start, bool) or not isinstance(start, int) or start < 0):
         raise _error(f"{PROMPT_START} must be a non-negative integer, got {start!r}", PROMPT_START, start)
@@ -113,15 +123,15 @@ def check_prompt_token_ids(token_ids: Sequence[int] | np.ndarray, vocab_size: in
         )
 
 
-def _store_name(processor: Any) -> str | None:
-    """The route store named in the processor's config (cached on it), None if unreadable."""
-    if not hasattr(processor, "_auxout_store"):
+def _engine_options(processor: Any) -> VllmOptions | None:
+    """The auxout options in the processor's config (cached on it), None if unreadable."""
+    if not hasattr(processor, "_auxout_options"):
         try:
-            processor._auxout_store = options_from_vllm_config(processor.vllm_config).store
+            processor._auxout_options = options_from_vllm_config(processor.vllm_config)
         except (AttributeError, ValueError):
-            processor._auxout_store = None
-    name = processor._auxout_store
-    return name if isinstance(name, str) else None
+            processor._auxout_options = None
+    opts = processor._auxout_options
+    return opts if isinstance(opts, VllmOptions) else None
 
 
 def install_request_validation(*, flag_as_int: bool = False) -> None:
@@ -141,7 +151,12 @@ def install_request_validation(*, flag_as_int: bool = False) -> None:
 
     def _validate_params(self: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
         if hasattr(params, "extra_args"):  # SamplingParams (pooling requests carry no routes)
-            check_request_flag(params, store=_store_name(self))
+            opts = _engine_options(self)
+            check_request_flag(
+                params,
+                store=None if opts is None else opts.store,
+                weights=None if opts is None else opts.routing_weights,
+            )
         return validate_params(self, params, *args, **kwargs)
 
     def _validate_model_input(self: Any, prompt_input: Any, *args: Any, **kwargs: Any) -> Any:

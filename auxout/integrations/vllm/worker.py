@@ -61,9 +61,11 @@ class AuxoutWorkerMixin:
         super().load_model(*args, **kwargs)  # type: ignore[misc]
         sched = self.vllm_config.scheduler_config
         role = self._auxout_role = current_role()
+        weights = options_from_vllm_config(self.vllm_config).routing_weights
         # every rank takes part (PP stages exchange their MoE layer ids), then only some keep it
         capture: RouteCapture | None = bind_capture(
-            self.model_runner.get_model(), self.vllm_config.model_config, sched.max_num_batched_tokens, role.pp_size
+            self.model_runner.get_model(), self.vllm_config.model_config, sched.max_num_batched_tokens, role.pp_size,
+            weights,
         )
         if not role.captures and capture is not None:  # TP rank > 0: the same ids as TP rank 0
             capture.unbind()
