@@ -139,3 +139,33 @@ def test_mla_on_cpu_start_up_error_says_vllm_cpu_turned_prefix_caching_off():
     worker = SimpleNamespace(vllm_config=cfg)
     with pytest.raises(ValueError, match="vLLM-CPU turns prefix caching .* off for models with multi-head latent"):
         AuxoutCPUWorker._auxout_build_connector(worker, kv_cache_config=None)  # type: ignore[arg-type]
+
+
+def test_weights_rows_need_the_frontend_split(caplog):
+    """The engine sends (id, weight) byte rows only to a request whose sender splits them (auxout's
+    validation marks it); a plain frontend asking for weights gets the ids alone and a warning."""
+    from types import SimpleNamespace
+
+    from auxout.integrations.vllm import scheduler as bridge
+    from auxout.integrations.vllm.options import WEIGHTS_FLAG, WEIGHTS_SPLIT
+    from auxout.profile import RouteProfile, rows_from_bytes
+
+    prof = RouteProfile(2, 4, 16, weights=True)
+    rows = prof.empty(3)
+    rows["id"] = np.arange(24, dtype=np.uint8).reshape(3, 2, 4) % 16
+    rows["w"] = np.linspace(0, 1, 24, dtype=np.float32).reshape(3, 2, 4)
+
+    def req(extra: dict) -> SimpleNamespace:
+        return SimpleNamespace(request_id="r", sampling_params=SimpleNamespace(extra_args=extra))
+
+    split = bridge.engine_rows(rows, req({WEIGHTS_FLAG: True, WEIGHTS_SPLIT: True}))
+    assert split.dtype == np.uint8 and split.ndim == 4
+    np.testing.assert_array_equal(rows_from_bytes(split), rows)
+    ids_only = bridge.engine_rows(rows, req({}))
+    np.testing.assert_array_equal(ids_only, rows["id"])
+    bridge._WARNED_UNSPLIT = False
+    with caplog.at_level("WARNING", logger="vllm.auxout"):
+        unsplit = bridge.engine_rows(rows, req({WEIGHTS_FLAG: True}))
+    assert unsplit.dtype == np.uint8 and unsplit.shape == (3, 2, 4)
+    np.testing.assert_array_equal(unsplit, rows["id"])
+    assert "no auxout hooks" in caplog.text

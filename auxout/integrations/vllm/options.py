@@ -27,6 +27,10 @@ INLINE_REASON_FIELD = "auxout_routes_inline_reason"
 """Key in ``kv_transfer_params`` when a keys-only request got its rows inline (manifest unpublishable)."""
 WEIGHTS_FLAG = "return_routing_weights"
 """``SamplingParams.extra_args`` key (HTTP: top-level body field) asking for the routing weights too."""
+WEIGHTS_SPLIT = "auxout_weights_split"
+"""Internal ``extra_args`` key set by auxout's request validation: the process that made the request
+splits (id, weight) rows for the user. Without it (a frontend auxout did not hook) the engine
+sends the ids alone and warns, never raw byte rows."""
 WEIGHTS_OUTPUT = "routing_weights"
 """``CompletionOutput`` attribute (HTTP: ``choices[i]`` field) holding them: float32, shaped like the ids."""
 SHARED_STORES = ("redis", "mooncake")

@@ -36,6 +36,7 @@ from auxout.integrations.vllm.options import (
     REQUEST_FLAG,
     SHARED_STORES,
     WEIGHTS_FLAG,
+    WEIGHTS_SPLIT,
     VllmOptions,
     normalize_flag,
     options_from_vllm_config,
@@ -67,9 +68,28 @@ def engine_rows(rows: np.ndarray, request: Any) -> np.ndarray:
     if rows.dtype.names is None:
         return rows
     params = request.sampling_params
-    if params is not None and normalize_flag((params.extra_args or {}).get(WEIGHTS_FLAG)) is True:
-        return rows_as_bytes(rows)
+    extra = (params.extra_args or {}) if params is not None else {}
+    if normalize_flag(extra.get(WEIGHTS_FLAG)) is True:
+        if extra.get(WEIGHTS_SPLIT):
+            return rows_as_bytes(rows)
+        _warn_unsplit(request.request_id)
     return np.ascontiguousarray(rows["id"])
+
+
+_WARNED_UNSPLIT = False
+
+
+def _warn_unsplit(request_id: str) -> None:
+    global _WARNED_UNSPLIT
+    if not _WARNED_UNSPLIT:
+        _WARNED_UNSPLIT = True
+        logger.warning(
+            "auxout: request %s asked for %s, but the process that sent it has no auxout hooks (plain `vllm serve` "
+            "or an LLM built without auxout.vllm.engine_kwargs()): it gets the ids alone; use `auxout serve` or "
+            "engine_kwargs() to receive routing weights (warned once)",
+            request_id,
+            WEIGHTS_FLAG,
+        )
 
 
 def make_publisher(opts: VllmOptions, block_size: int, keyspace: KeySpace | None = None) -> KeysPublisher | None:

@@ -32,6 +32,7 @@ from auxout.integrations.vllm.options import (
     REQUEST_FLAG,
     SHARED_STORES,
     WEIGHTS_FLAG,
+    WEIGHTS_SPLIT,
     VllmOptions,
     normalize_flag,
     options_from_vllm_config,
@@ -157,6 +158,9 @@ def install_request_validation(*, flag_as_int: bool = False) -> None:
                 store=None if opts is None else opts.store,
                 weights=None if opts is None else opts.routing_weights,
             )
+            extra = params.extra_args
+            if extra and normalize_flag(extra.get(WEIGHTS_FLAG)) is True:
+                extra[WEIGHTS_SPLIT] = True  # this process splits the (id, weight) rows: weights_output
         return validate_params(self, params, *args, **kwargs)
 
     def _validate_model_input(self: Any, prompt_input: Any, *args: Any, **kwargs: Any) -> Any:
