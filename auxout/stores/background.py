@@ -30,7 +30,7 @@ from auxout.errors import (
     StoreClosedError,
     StoreUnavailableError,
 )
-from auxout.stores.base import BlockStore, StoreObject, check_payload, read_into, trusted_batch
+from auxout.stores.base import BlockStore, StoreObject, check_payload, drain, read_into, trusted_batch
 
 _Item = tuple[int, Sequence[StoreObject], tuple[str, ...], tuple[str, ...]]
 
@@ -109,13 +109,7 @@ class BackgroundStore:
 
     def drain_lost(self) -> list[str]:
         """Keys of dropped batches and of the inner store's evictions since the last call."""
-        out: list[str] = []
-        pop = self._lost.popleft
-        try:
-            while True:
-                out.append(pop())
-        except IndexError:
-            pass
+        out = drain(self._lost)
         inner = getattr(self.inner, "drain_lost", None)
         if inner is not None:
             out.extend(inner())

@@ -7,6 +7,7 @@ per-request reference counts for stores that evict locally; external stores igno
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -26,6 +27,17 @@ class BlockObjects(list[StoreObject]):
     def __init__(self, items: Iterable[StoreObject] = (), *, nbytes: int) -> None:
         super().__init__(items)
         self.nbytes = nbytes
+
+
+def drain(items: deque[str]) -> list[str]:
+    """Everything in ``items``, removed in order (safe while another thread appends)."""
+    out: list[str] = []
+    pop = items.popleft
+    try:
+        while True:
+            out.append(pop())
+    except IndexError:
+        return out
 
 
 def trusted_batch(objects: Sequence[StoreObject], object_nbytes: int) -> bool:

@@ -12,7 +12,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 
 from auxout.errors import InvariantError, ObjectMissingError, StoreCapacityError
-from auxout.stores.base import StoreObject, check_payload, trusted_batch
+from auxout.stores.base import StoreObject, check_payload, drain, trusted_batch
 from auxout.stores.policy import EvictionPolicy
 
 UNWRITTEN = -1
@@ -124,16 +124,9 @@ class SlotIndex:
                 raise InvariantError(f"{self.owner} release of {key!r} which no live request references")
         return terminal
 
-
     def drain_lost(self) -> list[str]:
         """Keys evicted since the last call (thread-safe against the evicting thread)."""
-        out: list[str] = []
-        pop = self.lost.popleft
-        try:
-            while True:
-                out.append(pop())
-        except IndexError:
-            return out
+        return drain(self.lost)
 
     def _take_slots(self, n: int) -> list[int]:
         """``n`` slots: freed ones first (most recently freed first), then never-used ones."""
