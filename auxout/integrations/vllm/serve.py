@@ -42,14 +42,32 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected a boolean, got {text!r}")
 
 
-def _json_object(text: str) -> dict[str, Any]:
+def _load_object(text: str) -> dict[str, Any]:
+    """``text`` parsed as a JSON object; ``ValueError`` saying what is wrong otherwise."""
     try:
         value = json.loads(text)
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}: {exc}") from exc
+        raise ValueError(f"is not valid JSON: {exc}") from exc
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+        raise ValueError(f"must be a JSON object, got {text!r}")
     return value
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """argparse type of a JSON-object flag."""
+    try:
+        return _load_object(text)
+    except ValueError as exc:
+        detail = f": {exc.__cause__}" if exc.__cause__ is not None else ""  # the JSON parser's message
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}{detail}") from exc
+
+
+def _config_object(text: str, where: str) -> dict[str, Any]:
+    """A JSON object from a config source; ``ServeArgumentError`` naming ``where`` otherwise."""
+    try:
+        return _load_object(text)
+    except ValueError as exc:
+        raise ServeArgumentError(f"{where} {exc}") from exc
 
 
 def _positive_int(text: str) -> int:
@@ -122,13 +140,7 @@ def _pop_additional_config(rest: list[str]) -> dict[str, Any] | None:
         return None
     if len(found) > 1:
         raise ServeArgumentError("--additional-config given more than once")
-    try:
-        value = json.loads(found[0])
-    except ValueError as exc:
-        raise ServeArgumentError(f"--additional-config is not valid JSON: {exc}") from exc
-    if not isinstance(value, dict):
-        raise ServeArgumentError(f"--additional-config must be a JSON object, got {found[0]!r}")
-    return value
+    return _config_object(found[0], "--additional-config")
 
 
 def resolve_options(flags: argparse.Namespace, user_config: dict[str, Any] | None,
@@ -136,20 +148,11 @@ def resolve_options(flags: argparse.Namespace, user_config: dict[str, Any] | Non
     """Merge the three option sources; the same option with two different values is an error."""
     sources: list[tuple[str, dict[str, Any]]] = []
     if env:
-        try:
-            from_env = json.loads(env)
-        except ValueError as exc:
-            raise ServeArgumentError(f"{ENV_VAR} is not valid JSON: {exc}") from exc
-        if not isinstance(from_env, dict):
-            raise ServeArgumentError(f"{ENV_VAR} must be a JSON object, got {env!r}")
-        sources.append((ENV_VAR, from_env))
+        sources.append((ENV_VAR, _config_object(env, ENV_VAR)))
     if user_config is not None and CONFIG_KEY in user_config:
         section = user_config[CONFIG_KEY]
         if isinstance(section, str):
-            try:
-                section = json.loads(section)
-            except ValueError as exc:
-                raise ServeArgumentError(f"--additional-config {CONFIG_KEY!r} is not valid JSON: {exc}") from exc
+            section = _config_object(section, f"--additional-config {CONFIG_KEY!r}")
         if not isinstance(section, dict):
             raise ServeArgumentError(f"--additional-config {CONFIG_KEY!r} must be an object, got {section!r}")
         sources.append((f"--additional-config {CONFIG_KEY}", section))
