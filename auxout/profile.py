@@ -74,9 +74,14 @@ def has_weights(rows: np.ndarray) -> bool:
     return rows.dtype.names is not None
 
 
+def is_route_bytes(data: object) -> bool:
+    """Whether ``data`` is :func:`rows_as_bytes` output (``uint8 [n, L, K, itemsize]``), not ids."""
+    return isinstance(data, np.ndarray) and data.ndim == 4 and data.dtype == np.uint8
+
+
 def split_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
     """``(ids, weights)`` as contiguous arrays of the rows' shape (weights None for id-only rows)."""
-    if rows.dtype.names is None:
+    if not has_weights(rows):
         return rows, None
     return np.ascontiguousarray(rows["id"]), np.ascontiguousarray(rows["w"])
 
@@ -104,7 +109,7 @@ def rows_as_bytes(rows: np.ndarray) -> np.ndarray:
 
 def rows_from_bytes(data: np.ndarray) -> np.ndarray:
     """Inverse of :func:`rows_as_bytes` (ids are ``uint8`` for 5-byte items, ``uint16`` for 6)."""
-    if data.ndim != 4 or data.dtype != np.uint8:
+    if not is_route_bytes(data):
         raise ValueError(f"expected uint8 [n, L, K, itemsize] route bytes, got {data.dtype}{list(data.shape)}")
     id_size = data.shape[3] - WEIGHT_DTYPE.itemsize
     if id_size not in (1, 2):

@@ -148,9 +148,7 @@ class RouteCapture:
         self.columns = []
 
     def _capture(self, layer: int, topk_ids: torch.Tensor) -> None:
-        n = topk_ids.shape[0]
-        if n > self.max_tokens:
-            raise InvariantError(f"MoE layer {layer} routed {n} tokens, capture buffer holds {self.max_tokens}")
+        n = self._rows(layer, topk_ids)
         if self.on_host:
             self.host_buffer[:n, layer] = topk_ids.numpy()
         else:
@@ -158,9 +156,7 @@ class RouteCapture:
 
     def _capture_ids(self, layer: int, topk_ids: torch.Tensor) -> None:
         """:meth:`_capture` with routing weights on: the ids go into the slots' id field."""
-        n = topk_ids.shape[0]
-        if n > self.max_tokens:
-            raise InvariantError(f"MoE layer {layer} routed {n} tokens, capture buffer holds {self.max_tokens}")
+        n = self._rows(layer, topk_ids)
         self._unweighted += 1
         if self.on_host:
             self._host_ids[:n, layer] = topk_ids.numpy()
@@ -169,15 +165,20 @@ class RouteCapture:
             self._slots(n, layer)[..., : self._id_size].copy_(ids.view(n, self.profile.top_k, self._id_size))
 
     def _capture_weights(self, layer: int, topk_weights: torch.Tensor) -> None:
-        n = topk_weights.shape[0]
-        if n > self.max_tokens:
-            raise InvariantError(f"MoE layer {layer} routed {n} tokens, capture buffer holds {self.max_tokens}")
+        n = self._rows(layer, topk_weights)
         self._unweighted -= 1
         if self.on_host:
             self._host_w[:n, layer] = topk_weights.float().numpy()
         else:
             w = topk_weights.to(torch.float32).contiguous().view(torch.uint8)
             self._slots(n, layer)[..., self._id_size :].copy_(w.view(n, self.profile.top_k, 4))
+
+    def _rows(self, layer: int, routed: torch.Tensor) -> int:
+        """Rows one router call routed (its tokens), checked against the buffer."""
+        n = routed.shape[0]
+        if n > self.max_tokens:
+            raise InvariantError(f"MoE layer {layer} routed {n} tokens, capture buffer holds {self.max_tokens}")
+        return int(n)
 
     def _slots(self, n: int, layer: int) -> torch.Tensor:
         """Device byte buffer rows ``[:n]`` of one layer as ``[n, top_k, item bytes]`` (a view)."""

@@ -45,7 +45,7 @@ from auxout.keys import KeySpace
 from auxout.keys_output import KeysPublisher
 from auxout.manifest import RouteManifest
 from auxout.metadata import StepOutput
-from auxout.profile import rows_as_bytes
+from auxout.profile import has_weights, rows_as_bytes
 from auxout.scheduler_connector import SchedulerConnector
 from auxout.stores import BlockStore, make_store
 
@@ -65,7 +65,7 @@ def engine_rows(rows: np.ndarray, request: Any) -> np.ndarray:
     """What goes into ``EngineCoreOutput.routed_experts``: the ids, or with routing weights
     captured and asked for, the (id, weight) rows as ``uint8 [n, L, K, item bytes]`` (vLLM's
     messages carry no structured arrays; the frontend splits them: ``weights_output``)."""
-    if rows.dtype.names is None:
+    if not has_weights(rows):
         return rows
     params = request.sampling_params
     extra = (params.extra_args or {}) if params is not None else {}

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from auxout.integrations.vllm.options import WEIGHTS_OUTPUT
-from auxout.profile import rows_from_bytes, split_rows
+from auxout.profile import is_route_bytes, rows_from_bytes, split_rows
 
 _INSTALLED = False
 
@@ -24,7 +24,7 @@ _INSTALLED = False
 def split_output(output: Any) -> None:
     """Replace a ``CompletionOutput``'s byte rows by ids + ``routing_weights`` (no-op for ids)."""
     rows = getattr(output, "routed_experts", None)
-    if isinstance(rows, np.ndarray) and rows.ndim == 4 and rows.dtype == np.uint8:
+    if isinstance(rows, np.ndarray) and is_route_bytes(rows):
         ids, weights = split_rows(rows_from_bytes(rows))
         output.routed_experts = ids
         setattr(output, WEIGHTS_OUTPUT, weights)
@@ -32,7 +32,7 @@ def split_output(output: Any) -> None:
 
 def structured(chunk: np.ndarray) -> np.ndarray:
     """One per-step chunk as the engine sent it: ids, or byte rows back as (id, weight) rows."""
-    return rows_from_bytes(chunk) if chunk.ndim == 4 and chunk.dtype == np.uint8 else chunk
+    return rows_from_bytes(chunk) if is_route_bytes(chunk) else chunk
 
 
 def install_weights_split() -> None:
