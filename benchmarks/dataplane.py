@@ -265,6 +265,10 @@ def multiturn_workload(
 
 
 # -- replay -------------------------------------------------------------------------------------
+CLOCK: list[Callable[[], float]] = [time.perf_counter]
+"""What ``replay`` times with; ``--thread-time`` swaps in the step thread's CPU time, for A/B runs of
+two commits on a shared machine (it leaves out the writer thread and time spent waiting)."""
+
 class _SamplingParams:
     __slots__ = ("routed_experts_prompt_start",)
 
@@ -460,7 +464,7 @@ def replay(wl: Workload, make: Callable[[], Driver], verify: bool) -> RunResult:
     drv = make()
     live: dict[str, Req] = {}
     total = 0.0
-    perf = time.perf_counter
+    perf = CLOCK[0]
     gc.collect()
     gc.disable()
     try:
@@ -604,7 +608,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-vllm", action="store_true", help="skip the vLLM baseline")
     ap.add_argument("--only", choices=("decode", "prefill", "multi-turn"), action="append")
     ap.add_argument("--sync-store", action="store_true", help="also run auxout without the writer thread")
+    ap.add_argument("--thread-time", action="store_true", help="time the step thread's CPU time, not wall time")
     args = ap.parse_args(argv)
+    if args.thread_time:
+        CLOCK[0] = time.thread_time
     repeats = args.repeats or (2 if args.quick else 5)
     t_all = time.perf_counter()
     print(
