@@ -40,7 +40,7 @@ class RouteProfile:
 
     @property
     def id_dtype(self) -> np.dtype:
-        return np.dtype(np.uint8 if self.num_experts <= 256 else np.uint16)
+        return id_dtype_for(self.num_experts)
 
     @property
     def dtype(self) -> np.dtype:
@@ -62,6 +62,11 @@ class RouteProfile:
 
 
 WEIGHT_DTYPE = np.dtype("<f4")
+
+
+def id_dtype_for(num_experts: int) -> np.dtype:
+    """The expert-id dtype engines and trainers exchange: uint8 up to 256 experts, else uint16."""
+    return np.dtype(np.uint8 if num_experts <= 256 else np.uint16)
 
 
 def route_dtype(id_dtype: np.dtype | str, weights: bool) -> np.dtype:

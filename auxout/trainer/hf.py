@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from auxout.errors import AuxOutError
+from auxout.profile import id_dtype_for
 
 SENTINEL = -1
 """Route value meaning "no route for this (token, layer)": the live router decides."""
@@ -79,7 +80,7 @@ class MoELayers:
     @property
     def route_dtype(self) -> np.dtype:
         """uint8 when every id fits (<= 256 experts), else uint16 -- the wire dtype engines use."""
-        return np.dtype(np.uint8) if self.num_experts <= 256 else np.dtype(np.uint16)
+        return id_dtype_for(self.num_experts)
 
 
 ROUTER_SUFFIXES = ("TopKRouter", "TopkRouter", "Router", "TopKGating")

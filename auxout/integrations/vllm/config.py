@@ -6,6 +6,7 @@ from typing import Any
 
 from auxout.integrations.vllm.options import CONFIG_KEY, VllmOptions
 from auxout.keys import KeySpace, model_keyspace, route_fingerprint
+from auxout.profile import id_dtype_for
 
 SCHEDULER_CLS = "auxout.integrations.vllm.async_scheduler.AuxoutSchedulerSelector"
 CPU_WORKER_CLS = "auxout.integrations.vllm.cpu_worker.AuxoutCPUWorker"
@@ -62,7 +63,7 @@ def route_keyspace(vllm_config: Any, opts: VllmOptions, hash_block: int) -> KeyS
         top_k=int(mc.get_num_experts_per_tok()),
         num_experts=experts,
         # with weights the objects hold (id, float32 weight) slots: another layout, another key
-        dtype=("uint8" if experts <= 256 else "uint16") + ("+w:float32" if opts.routing_weights else ""),
+        dtype=id_dtype_for(experts).name + ("+w:float32" if opts.routing_weights else ""),
         block_size=hash_block,
         hash_algo=str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256")),
     )

@@ -41,7 +41,7 @@ from auxout.integrations.vllm.options import (
     VllmOptions,
 )
 from auxout.integrations.vllm.weights_output import structured
-from auxout.profile import join_rows, split_rows
+from auxout.profile import has_weights, join_rows, split_rows
 from auxout.sessions import SessionStore
 from auxout.wire import DEFAULT_FORMAT, FORMATS, encode
 
@@ -133,7 +133,7 @@ class ChoiceRows:
             return
         new = [structured(c) for c in self.chunks[self.consumed :]]
         self.consumed += len(new)
-        self.weighted = self.weighted or any(c.dtype.names is not None for c in new)
+        self.weighted = self.weighted or any(has_weights(c) for c in new)
         parts = ([self.pending] if self.pending is not None else []) + list(new)
         self.pending = np.concatenate(parts) if len(parts) > 1 else parts[0]
 

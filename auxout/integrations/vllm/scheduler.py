@@ -45,7 +45,7 @@ from auxout.keys import KeySpace
 from auxout.keys_output import KeysPublisher
 from auxout.manifest import RouteManifest
 from auxout.metadata import StepOutput
-from auxout.profile import has_weights, rows_as_bytes
+from auxout.profile import WEIGHT_DTYPE, has_weights, id_dtype_for, rows_as_bytes
 from auxout.scheduler_connector import SchedulerConnector
 from auxout.stores import BlockStore, make_store
 
@@ -388,7 +388,7 @@ def _max_object_nbytes(vllm_config: Any, hash_block: int) -> int:
     """An upper bound on one route object's size (every decoder layer counted as MoE)."""
     mc = vllm_config.model_config
     layers = int(getattr(mc.hf_text_config, "num_hidden_layers", 0) or 1)
-    itemsize = (1 if int(mc.get_num_experts()) <= 256 else 2) + 4  # + a float32 weight, if captured
+    itemsize = id_dtype_for(int(mc.get_num_experts())).itemsize + WEIGHT_DTYPE.itemsize  # a weight, if captured
     return hash_block * layers * int(mc.get_num_experts_per_tok()) * itemsize
 
 
