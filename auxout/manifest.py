@@ -97,7 +97,7 @@ class RouteManifest:
         if not self.shape_per_token or any(d <= 0 for d in self.shape_per_token):
             raise bad(f"shape_per_token={self.shape_per_token!r} must be non-empty and positive")
         try:
-            dt = parse_dtype_name(self.dtype) if isinstance(self.dtype, str) else np.dtype(self.dtype)
+            dt = self.row_dtype
         except TypeError as exc:
             raise bad(f"dtype={self.dtype!r} is not a numpy dtype") from exc
         if dt.names is not None:
