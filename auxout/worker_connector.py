@@ -32,7 +32,7 @@ from auxout.keys import KeySpace, PackedHashes
 from auxout.metadata import NO_EMIT, StepMetadata, StepOutput
 from auxout.profile import RouteProfile
 from auxout.staging import StagingPool, staging_pool_blocks
-from auxout.stores.base import BlockObjects, BlockStore, StoreObject, read_into
+from auxout.stores.base import BlockObjects, BlockStore, StoreObject, object_keys, read_into
 
 _I64 = np.int64
 
@@ -314,16 +314,16 @@ class WorkerConnector:
         self._nkeys[s] = len(self._keys[s])
         self._sync_pins(s, retain, release)
 
-    def _put(self, objects: list[StoreObject], retain: Sequence[str], release: Sequence[str]) -> None:
+    def _put(self, objects: Sequence[StoreObject], retain: Sequence[str], release: Sequence[str]) -> None:
         """Publish; a batch the store cannot fit or reach is dropped whole (its keys then read as missing)."""
         try:
             self.store.put(objects, retain=retain, release=release)
         except (StoreCapacityError, StoreUnavailableError):
             self.dropped_batches += 1
-            self._lost.extend(k for k, _ in objects)
+            self._lost.extend(object_keys(objects))
             return
         if objects:
-            self._published.extend(k for k, _ in objects)
+            self._published.extend(object_keys(objects))
 
     def _route_events(self) -> tuple[list[str], list[str]]:
         """Keys published and lost since the last output (for the scheduler's ``RouteIndex``)."""
@@ -352,7 +352,7 @@ class WorkerConnector:
             release.extend(reversed(keys[target:have]))
         self._pinned[s] = target
 
-    def _collect_staged(self, slots: Sequence[int]) -> tuple[list[StoreObject], list[int]]:
+    def _collect_staged(self, slots: Sequence[int]) -> tuple[Sequence[StoreObject], list[int]]:
         """Objects for staged blocks that now have keys (one copy out of the pool)."""
         keys: list[str] = []
         pool_slots: list[int] = []
@@ -366,14 +366,14 @@ class WorkerConnector:
             return [], []
         return self._objects_from_pool(keys, pool_slots), pool_slots
 
-    def _objects_from_pool(self, keys: list[str], pool_slots: list[int]) -> list[StoreObject]:
+    def _objects_from_pool(self, keys: list[str], pool_slots: list[int]) -> BlockObjects:
         idx = np.asarray(pool_slots, dtype=_I64)
         bs = self.block_size
         copy = self._pub_buffers.take(len(idx) * bs).reshape(len(idx), bs, *self.profile.shape_per_token)
         np.take(self.pool.blocks, idx, axis=0, out=copy, mode="clip")  # one copy out of the reusable pool
-        blob = memoryview(copy.reshape(-1).view(np.uint8).data)  # type: ignore[arg-type]
-        n = self._block_nbytes
-        return BlockObjects(((k, blob[i * n : (i + 1) * n]) for i, k in enumerate(keys)), nbytes=n)
+        objects = BlockObjects(nbytes=self._block_nbytes)
+        objects.add(keys, copy.reshape(len(idx), -1).view(np.uint8))
+        return objects
 
     def prepare_output(
         self,
@@ -538,7 +538,7 @@ class WorkerConnector:
         pool_keys: list[str] = []
         pool_pub: list[int] = []
         stage_views: list[tuple[int, int, int]] = []  # (slot, block index, row start in `rows`)
-        flat = memoryview(rows.reshape(-1).view(np.uint8).data) if len(rows) else None  # type: ignore[arg-type]
+        flat = rows.reshape(-1).view(np.uint8)
         todo = np.flatnonzero(head_done | (stop_full > first_full))
         for i, s, hd, hb, b0, b1, base in zip(
             todo.tolist(), slots[todo].tolist(), head_done[todo].tolist(), head_blk[todo].tolist(),
@@ -553,12 +553,9 @@ class WorkerConnector:
                 else:
                     self._staged[s][hb] = int(old_tail[i])
             kb = min(b1, nkeys)
-            if kb > b0:  # keyed full blocks: zero-copy views of this step's rows
-                assert flat is not None
+            if kb > b0:  # keyed full blocks: a zero-copy view of this step's rows
                 byte0 = (base + b0 * bs) * self._token_nbytes
-                starts = range(byte0, byte0 + (kb - b0) * nbytes, nbytes)
-                views = map(flat.__getitem__, map(slice, starts, range(byte0 + nbytes, starts.stop + nbytes, nbytes)))
-                objects.extend(zip(keys[b0:kb], views))
+                objects.add(keys[b0:kb], flat[byte0 : byte0 + (kb - b0) * nbytes].reshape(kb - b0, nbytes))
             for b in range(max(b0, kb), b1):
                 stage_views.append((s, b, base + b * bs))
         if stage_views:
@@ -649,7 +646,7 @@ class WorkerConnector:
                 pool_pub.append(int(tail[i]))
             else:
                 self._staged[s][b] = int(tail[i])  # its hash arrives with a later step
-        self._publish([], pool_keys, pool_pub, retain, release)
+        self._publish(None, pool_keys, pool_pub, retain, release)
 
         do_emit = emit <= end
         qs = p.query_start_loc[:n]
@@ -670,7 +667,7 @@ class WorkerConnector:
 
     def _publish(
         self,
-        objects: list[StoreObject],
+        objects: BlockObjects | None,
         pool_keys: list[str],
         pool_pub: list[int],
         retain: list[str],
@@ -684,7 +681,7 @@ class WorkerConnector:
             else:
                 objects = pooled
         if objects or retain or release:
-            self._put(objects, retain, release)
+            self._put(objects or (), retain, release)
         if pool_pub:
             self.pool.free(pool_pub)
 

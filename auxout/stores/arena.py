@@ -17,12 +17,7 @@ import numpy as np
 from auxout.errors import CorruptObjectError, StoreClosedError
 from auxout.stores.base import StoreObject
 from auxout.stores.policy import EvictionPolicy
-from auxout.stores.slots import SlotIndex
-
-# Batches of fewer objects are copied payload by payload: a joined temporary of ~100 KB is
-# allocated and freed every decode step, and glibc hands its pages back to the kernel each time
-# (measured 60 us for 16 objects vs 25 us copying each one; docs/performance.md).
-_JOIN_MIN = 64
+from auxout.stores.slots import SlotIndex, write_slots
 
 
 class ArenaStore:
@@ -70,16 +65,11 @@ class ArenaStore:
             if not slots:
                 return  # all already stored (first write wins) or dropped as terminal victims
             idx = np.asarray(slots, dtype=np.int64)
-            sizes = [v.nbytes for v in payloads]
-            full = self.object_nbytes
             old = self._lengths[idx]
-            self._short += len(sizes) - sizes.count(full) - int(np.count_nonzero((old != full) & (old != 0)))
+            sizes = write_slots(arena, slots, payloads, objects)
+            full = self.object_nbytes
+            self._short += int(np.count_nonzero(sizes != full)) - int(np.count_nonzero((old != full) & (old != 0)))
             self._lengths[idx] = sizes
-            if len(slots) >= _JOIN_MIN and min(sizes) == self.object_nbytes:  # one gather, one scatter
-                arena[idx] = np.frombuffer(b"".join(payloads), dtype=np.uint8).reshape(len(slots), -1)
-            else:  # a few objects: straight into their slots (see _JOIN_MIN)
-                for slot, v in zip(slots, payloads):
-                    arena[slot, : v.nbytes] = np.frombuffer(v, dtype=np.uint8)
 
     def get_concatenated(self, keys: Sequence[str]) -> bytes:
         with self._lock:

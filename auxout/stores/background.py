@@ -21,7 +21,6 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Iterable, Sequence
-from operator import itemgetter
 
 from auxout.errors import (
     BlockStoreError,
@@ -30,7 +29,15 @@ from auxout.errors import (
     StoreClosedError,
     StoreUnavailableError,
 )
-from auxout.stores.base import BlockStore, StoreObject, check_payload, drain, read_into, trusted_batch
+from auxout.stores.base import (
+    BlockStore,
+    StoreObject,
+    check_payload,
+    drain,
+    object_keys,
+    read_into,
+    trusted_batch,
+)
 
 _Item = tuple[int, Sequence[StoreObject], tuple[str, ...], tuple[str, ...]]
 
@@ -91,7 +98,7 @@ class BackgroundStore:
                 q = self._queued
                 if q and self._applied_seq >= seq - 1:
                     q.clear()  # every earlier batch is applied: all entries are stale
-                q.update(dict.fromkeys(map(itemgetter(0), objects), seq))
+                q.update(dict.fromkeys(object_keys(objects), seq))
             self._queue.put((seq, objects, retain_t, release_t))  # under the lock: numbers stay in queue order
 
     def get_concatenated(self, keys: Sequence[str]) -> bytes:
@@ -177,6 +184,6 @@ class BackgroundStore:
         except (StoreCapacityError, StoreUnavailableError) as exc:
             self.dropped_batches += 1
             self.last_drop = exc
-            self._lost.extend(k for k, _ in objects)
+            self._lost.extend(object_keys(objects))
         except BaseException as exc:  # noqa: BLE001 - recorded and re-raised on the caller's side
             self._error = exc

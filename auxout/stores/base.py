@@ -8,8 +8,10 @@ per-request reference counts for stores that evict locally; external stores igno
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Protocol, overload, runtime_checkable
+
+import numpy as np
 
 from auxout.errors import CorruptObjectError, ObjectMissingError
 
@@ -17,16 +19,58 @@ Buffer = bytes | bytearray | memoryview
 StoreObject = tuple[str, Buffer]
 
 
-class BlockObjects(list[StoreObject]):
-    """Objects whose payloads are flat, contiguous byte memoryviews of exactly ``nbytes`` each.
+class BlockObjects(Sequence[StoreObject]):
+    """Objects the worker publishes: keys plus 2-D uint8 arrays holding one payload per row.
 
-    The worker builds these from its own arrays, so stores check the batch once instead of
-    every payload (a prefill step publishes hundreds of blocks). Any other reader sees a list.
+    The worker builds these from its own arrays (no per-block object), so stores check the
+    batch once instead of every payload, and a slot store copies each array into its slots in
+    one numpy call (a prefill step publishes hundreds of blocks). Any other reader iterates
+    ``(key, flat byte view)`` pairs, made on demand.
     """
 
-    def __init__(self, items: Iterable[StoreObject] = (), *, nbytes: int) -> None:
-        super().__init__(items)
+    __slots__ = ("keys", "chunks", "nbytes")
+
+    def __init__(self, *, nbytes: int) -> None:
+        self.keys: list[str] = []
+        self.chunks: list[np.ndarray] = []  # C-contiguous uint8 [n_i, nbytes]; sum(n_i) == len(keys)
         self.nbytes = nbytes
+
+    def add(self, keys: Sequence[str], blocks: np.ndarray) -> None:
+        """Append ``keys`` whose payloads are the rows of ``blocks`` (not copied: never mutate it)."""
+        if blocks.dtype != np.uint8 or blocks.shape != (len(keys), self.nbytes) or not blocks.flags.c_contiguous:
+            raise ValueError(
+                f"BlockObjects needs C-contiguous uint8 [{len(keys)}, {self.nbytes}] blocks, "
+                f"got {blocks.dtype}{list(blocks.shape)}"
+            )
+        if len(keys):
+            self.keys.extend(keys)
+            self.chunks.append(blocks)
+
+    def extend(self, other: BlockObjects) -> None:
+        if other.nbytes != self.nbytes:
+            raise ValueError(f"cannot join BlockObjects of {other.nbytes} and {self.nbytes} bytes per object")
+        self.keys.extend(other.keys)
+        self.chunks.extend(other.chunks)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __iter__(self) -> Iterator[StoreObject]:
+        return zip(self.keys, self.payloads())
+
+    @overload
+    def __getitem__(self, i: int) -> StoreObject: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[StoreObject]: ...
+    def __getitem__(self, i: int | slice) -> StoreObject | list[StoreObject]:
+        return list(self)[i]
+
+    def payloads(self) -> Iterator[memoryview]:
+        """Flat byte views of the payloads, in key order."""
+        n = self.nbytes
+        for arr in self.chunks:
+            flat = memoryview(arr.reshape(-1).data)  # type: ignore[arg-type]
+            yield from map(flat.__getitem__, map(slice, range(0, len(arr) * n, n), range(n, len(arr) * n + n, n)))
 
 
 def drain(items: deque[str]) -> list[str]:
@@ -43,6 +87,11 @@ def drain(items: deque[str]) -> list[str]:
 def trusted_batch(objects: Sequence[StoreObject], object_nbytes: int) -> bool:
     """Whether ``objects`` is a ``BlockObjects`` batch whose payloads fit ``object_nbytes``."""
     return isinstance(objects, BlockObjects) and 0 < objects.nbytes <= object_nbytes
+
+
+def object_keys(objects: Sequence[StoreObject]) -> list[str]:
+    """The keys of a batch (a ``BlockObjects`` has them as a list already)."""
+    return objects.keys if isinstance(objects, BlockObjects) else [k for k, _ in objects]
 
 
 @runtime_checkable

@@ -47,7 +47,7 @@ from auxout.errors import (
     StoreClosedError,
 )
 from auxout.stores.base import StoreObject
-from auxout.stores.slots import SlotIndex
+from auxout.stores.slots import SlotIndex, write_slots
 
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "auxout-"
@@ -275,7 +275,7 @@ class SharedMemoryStore:
                 m.lens[idx] = 0
                 m.seq[idx] += 1
             if new:
-                self._write(m, new, payloads, slots)
+                self._write(m, new, payloads, slots, objects)
             m.header[_H_GEN] += 1
 
     def get_concatenated(self, keys: Sequence[str]) -> bytes:
@@ -344,17 +344,13 @@ class SharedMemoryStore:
             raise StoreClosedError(f"SharedMemoryStore {self.name!r} (its owner closed it)")
         return m
 
-    def _write(self, m: _Mapping, keys: list[str], views: list[memoryview], slots: list[int]) -> None:
+    def _write(
+        self, m: _Mapping, keys: list[str], views: list[memoryview] | None, slots: list[int], objects: Sequence[StoreObject]
+    ) -> None:
         idx = np.asarray(slots, dtype=np.int64)
-        lens = np.fromiter((v.nbytes for v in views), dtype=np.uint64, count=len(views))
         m.seq[idx] += 1  # odd: slot being (re)written
         m.dig[idx] = _digests(keys)
-        m.lens[idx] = lens
-        if (lens == self.object_nbytes).all():
-            m.data[idx] = np.frombuffer(b"".join(views), dtype=np.uint8).reshape(len(keys), self.object_nbytes)
-        else:
-            for s, v in zip(slots, views):
-                m.data[s, : v.nbytes] = np.frombuffer(v, dtype=np.uint8)
+        m.lens[idx] = write_slots(m.data, slots, views, objects)
         m.seq[idx] += 1
 
     # -- reader internals -------------------------------------------------------------------------
