@@ -268,7 +268,7 @@ class WorkerConnector:
             if packed is None and rid not in meta.requests:  # older engines: trailing hashes ride along
                 packed = meta.block_hashes.get(rid)
             if packed is not None:
-                self._add_keys(s, packed, retain, release)
+                self._add_keys(s, self.keyspace.keys(packed, self.generation), retain, release)
             if self._staged[s]:
                 keyed.append(s)
             self._finished[s] = True
@@ -292,13 +292,18 @@ class WorkerConnector:
                 names = list(reqs)
                 for i in np.flatnonzero(~old).tolist():
                     self._new_slot(names[i], int(starts[i]))
+        hashed: list[int] = []
+        packs: list[PackedHashes] = []
         for rid, packed in meta.block_hashes.items():
             if rid not in reqs and rid in meta.finished:
                 continue  # applied with its terminal event above
             s = slot_of.get(rid)
             if s is None:
                 raise InvariantError(f"block hashes for request {rid!r} which the worker does not track")
-            self._add_keys(s, packed, retain, release)
+            hashed.append(s)
+            packs.append(packed)
+        for s, keys in zip(hashed, self.keyspace.keys_batch(packs, self.generation)):
+            self._add_keys(s, keys, retain, release)
             if self._staged[s]:
                 keyed.append(s)
         objects, pool_slots = self._collect_staged(keyed)  # copied out: teardown may free their slots
@@ -309,8 +314,8 @@ class WorkerConnector:
         if pool_slots:
             self.pool.free(pool_slots)
 
-    def _add_keys(self, s: int, packed: PackedHashes, retain: list[str], release: list[str]) -> None:
-        self._keys[s].extend(self.keyspace.keys(packed, self.generation))
+    def _add_keys(self, s: int, keys: list[str], retain: list[str], release: list[str]) -> None:
+        self._keys[s].extend(keys)
         self._nkeys[s] = len(self._keys[s])
         self._sync_pins(s, retain, release)
 

@@ -90,7 +90,9 @@ class SlotIndex:
             return new, [unique[k] for k in new], slots, freed  # type: ignore[misc]  # all checked views
         if len(new) == len(objects):
             return new, None, slots, freed
-        views = dict(zip(objects.keys, objects.payloads()))  # type: ignore[attr-defined]
+        views: dict[str, memoryview] = {}
+        for key, view in zip(objects.keys, objects.payloads()):  # type: ignore[attr-defined]
+            views.setdefault(key, view)  # first write wins inside a batch too
         return new, [views[k] for k in new], slots, freed
 
     def lookup(self, keys: Sequence[str], detail: str | Callable[[], str]) -> list[int]:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import pytest
 
 from auxout.errors import InvariantError, ObjectMissingError, StoreCapacityError, StoreClosedError
 from auxout.stores import ArenaStore, BlockStore, LRUPolicy, make_store
+from auxout.stores.base import BlockObjects, object_keys
 from auxout.stores.policy import RemoveReason
+from auxout.stores.shm import SharedMemoryStore
 
 N = 8  # object_nbytes
 
@@ -368,3 +371,40 @@ def test_make_store_builds_arena() -> None:
         make_store("nope", max_bytes=2 * N, object_nbytes=N)
     with pytest.raises(TypeError, match="unexpected options"):
         make_store("arena", max_bytes=2 * N, object_nbytes=N, background=False, bogus=1)
+
+
+# -- BlockObjects: the worker's batches (array chunks copied into slots whole) -------------------
+
+
+def block_objects(tags: Sequence[tuple[str, int]], chunk: int = 3, nbytes: int = N) -> BlockObjects:
+    """``(key, tag)`` pairs as a BlockObjects batch of ``chunk``-row arrays."""
+    objs = BlockObjects(nbytes=nbytes)
+    for i in range(0, len(tags), chunk):
+        part = tags[i : i + chunk]
+        objs.add([k for k, _ in part], np.array([[t] * nbytes for _, t in part], dtype=np.uint8))
+    return objs
+
+
+@pytest.mark.parametrize("make", [lambda: store_of(16), lambda: SharedMemoryStore(16 * N, N)], ids=["arena", "shm"])
+def test_block_objects_batches_equal_per_object_puts(make) -> None:
+    store = make()
+    try:
+        store.put([("old", payload(9))])
+        # all new: each chunk is copied straight into its slots
+        store.put(block_objects([(f"k{i}", i) for i in range(7)]))
+        assert store.get_concatenated([f"k{i}" for i in range(7)]) == b"".join(payload(i) for i in range(7))
+        # an existing key and a duplicate in the batch: first write wins, the others land
+        store.put(block_objects([("old", 1), ("n1", 2), ("n1", 3), ("n2", 4)]))
+        assert store.get_concatenated(["old", "n1", "n2"]) == payload(9) + payload(2) + payload(4)
+    finally:
+        store.close()
+
+
+def test_block_objects_read_as_key_payload_pairs_and_check_their_arrays() -> None:
+    objs = block_objects([("a", 1), ("b", 2), ("c", 3), ("d", 4)], chunk=3)
+    assert [(k, bytes(v)) for k, v in objs] == [(k, payload(t)) for k, t in [("a", 1), ("b", 2), ("c", 3), ("d", 4)]]
+    assert len(objs) == 4 and objs[3][0] == "d" and object_keys(objs) == ["a", "b", "c", "d"]
+    with pytest.raises(ValueError, match=r"uint8 \[2, 8\] blocks, got uint8\[2, 4\]"):
+        objs.add(["x", "y"], np.zeros((2, 4), dtype=np.uint8))
+    with pytest.raises(ValueError, match="4 and 8 bytes"):
+        objs.extend(BlockObjects(nbytes=4))
