@@ -58,11 +58,12 @@ class StepOutput:
         """``request_id -> (token_start, lo, hi)`` for requests that emitted (plain ints, built once)."""
         spans = self._spans
         if spans is None:
-            spans = self._spans = {
-                rid: (t, lo, hi)
-                for rid, t, lo, hi in zip(self.req_ids, self.token_starts.tolist(), self.lo.tolist(), self.hi.tolist())
-                if lo >= 0
-            }
+            triples = zip(self.token_starts.tolist(), self.lo.tolist(), self.hi.tolist())
+            if (self.lo >= 0).all():  # every request emitted (decode): built in C
+                spans = dict(zip(self.req_ids, triples))
+            else:
+                spans = {rid: t for rid, t in zip(self.req_ids, triples) if t[1] >= 0}
+            self._spans = spans
         return spans
 
     def span(self, request_id: str) -> tuple[int, int, int] | None:

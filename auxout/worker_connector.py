@@ -24,6 +24,7 @@ import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat
 
 import numpy as np
 
@@ -275,7 +276,7 @@ class WorkerConnector:
             if self._inflight[s] == 0:
                 done.append(s)
         reqs = meta.requests
-        known = np.fromiter((slot_of.get(rid, -1) for rid in reqs), dtype=_I64, count=len(reqs))
+        known = np.fromiter(map(slot_of.get, reqs, repeat(-1, len(reqs))), dtype=_I64, count=len(reqs))
         if len(known):
             starts = np.fromiter(reqs.values(), dtype=_I64, count=len(reqs))
             old = known >= 0
@@ -416,7 +417,7 @@ class WorkerConnector:
             raise InvariantError(f"step claims {int(qsl[-1])} rows but the snapshot has {len(rows)}")
         slot_of = self._slot_of
         try:
-            slots = np.fromiter((slot_of[r] for r in req_ids), dtype=_I64, count=n)
+            slots = np.fromiter(map(slot_of.__getitem__, req_ids), dtype=_I64, count=n)
         except KeyError as exc:
             raise InvariantError(f"request {exc.args[0]!r} executed but was never announced in metadata") from None
         if not rows.flags.c_contiguous:
