@@ -75,7 +75,7 @@ class SlotIndex:
                 else:
                     lru[key] = UNWRITTEN
         if terminal:
-            deque(map(lru.move_to_end, [k for k in terminal if k in lru]), 0)
+            deque(map(lru.move_to_end, filter(lru.__contains__, terminal)), 0)
         freed: list[int] = []
         all_fresh = len(fresh) == len(unique)
         excess = len(lru) - self.num_slots
@@ -123,13 +123,27 @@ class SlotIndex:
     def _apply_refs(self, retain: Iterable[str], release: Iterable[str]) -> list[str]:
         """Retains, then releases, without a policy to notify; returns keys released to zero.
 
-        Same semantics as ``_change_ref`` per key, in two flat loops: a new turn of a long
-        conversation retains (and later releases) its whole history, one key per block.
+        Same semantics as ``_change_ref`` per key. A new turn of a long conversation retains (and
+        later releases) its whole history, one key per block, and a prefill step hundreds of new
+        blocks: the common batch (keys new to ``refs``, or each released by its last holder, no
+        key twice) runs through ``map``/``update`` in C; anything else takes the per-key loop.
         """
         refs = self.refs
         get = refs.get
-        for key in retain:
-            refs[key] = get(key, 0) + 1
+        retain = list(retain)
+        if retain:
+            held = list(map(get, retain))
+            if held.count(None) == len(retain) and len(set(retain)) == len(retain):
+                refs.update(dict.fromkeys(retain, 1))
+            else:
+                for key in retain:
+                    refs[key] = get(key, 0) + 1
+        release = list(release)
+        if not release:
+            return []
+        if list(map(get, release)).count(1) == len(release) and len(set(release)) == len(release):
+            deque(map(refs.__delitem__, release), 0)
+            return release
         terminal: list[str] = []
         for key in release:
             n = get(key, 0) - 1

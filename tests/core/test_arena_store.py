@@ -6,12 +6,15 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hs
 
 from auxout.errors import InvariantError, ObjectMissingError, StoreCapacityError, StoreClosedError
 from auxout.stores import ArenaStore, BlockStore, LRUPolicy, make_store
 from auxout.stores.base import BlockObjects, object_keys
 from auxout.stores.policy import RemoveReason
 from auxout.stores.shm import SharedMemoryStore
+from auxout.stores.slots import SlotIndex
 
 N = 8  # object_nbytes
 
@@ -408,3 +411,36 @@ def test_block_objects_read_as_key_payload_pairs_and_check_their_arrays() -> Non
         objs.add(["x", "y"], np.zeros((2, 4), dtype=np.uint8))
     with pytest.raises(ValueError, match="4 and 8 bytes"):
         objs.extend(BlockObjects(nbytes=4))
+
+
+# -- reference counts: the batched fast path equals one change per key -----------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(hs.lists(hs.tuples(hs.lists(hs.sampled_from("abcdef")), hs.lists(hs.sampled_from("abcdef"))), max_size=8))
+def test_reference_counts_match_one_change_per_key(batches: list[tuple[list[str], list[str]]]) -> None:
+    index = SlotIndex(8, "test store")
+    model: dict[str, int] = {}
+    for retain, release in batches:
+        want_terminal: list[str] = []
+        want_error = False
+        after = dict(model)
+        for k in retain:
+            after[k] = after.get(k, 0) + 1
+        for k in release:
+            n = after.get(k, 0) - 1
+            if n < 0:
+                want_error = True
+                break
+            if n:
+                after[k] = n
+            else:
+                del after[k]
+                want_terminal.append(k)
+        if want_error:
+            with pytest.raises(InvariantError, match="no live request references"):
+                index._apply_refs(retain, release)
+            return  # the index is not defined after a broken release (the caller fails closed)
+        assert index._apply_refs(retain, release) == want_terminal
+        model = after
+        assert index.refs == model
