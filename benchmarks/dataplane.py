@@ -571,9 +571,10 @@ def report(wl: Workload, res: dict[str, Measured]) -> list[tuple[str, bool]]:
     if v is not None:
         ratio = a.median / v.median
         print(f"  ratio auxout/vLLM cost {ratio:.3f}   speed-up vLLM/auxout {1 / ratio:.2f}x")
+        print(f"  paired ratio auxout/vLLM {_paired(a, v)}")
         sync = res.get("auxout-sync")
         if sync is not None:
-            print(f"  ratio auxout-sync/vLLM cost {sync.median / v.median:.3f}")
+            print(f"  ratio auxout-sync/vLLM cost {sync.median / v.median:.3f}   paired {_paired(sync, v)}")
     target = MAX_COST_RATIO.get(wl.name)
     if wl.name == "prefill":
         print(f"  prefill route bytes: {handled / a.median / 1e9:.2f} GB/s")
@@ -586,6 +587,13 @@ def report(wl: Workload, res: dict[str, Measured]) -> list[tuple[str, bool]]:
             print(f"  target {wl.name} cost <= {target:.2f} x vLLM: {ratio:.3f} {'PASS' if ok else 'MISS'}")
             checks.append((f"{wl.name} cost <= {target:.2f} x vLLM", ok))
     return checks
+
+
+def _paired(x: Measured, base: Measured) -> str:
+    """Median and range of the per-repeat ratios: each repeat runs both back to back, so a slow
+    phase of a shared machine (seen as 2x swings of absolute times within one run) hits both."""
+    r = sorted(a / b for a, b in zip(x.times, base.times))
+    return f"{statistics.median(r):.3f} [{r[0]:.3f}..{r[-1]:.3f}]"
 
 
 def load_vllm() -> dict[str, Any] | None:
