@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
+from itertools import filterfalse, islice
 
 import numpy as np
 
@@ -65,7 +66,7 @@ class SlotIndex:
         lru = self.lru
         # objects are immutable: a re-put only refreshes recency; new keys join at the recent end
         # in batch order (per-key work through map/update, which run in C)
-        fresh = [k for k in unique if k not in lru]
+        fresh = list(filterfalse(lru.__contains__, unique))
         if len(fresh) == len(unique):
             lru.update(dict.fromkeys(fresh, UNWRITTEN))
         else:  # some are stored already: keep batch order across moved and new keys
@@ -81,7 +82,7 @@ class SlotIndex:
         excess = len(lru) - self.num_slots
         if excess > 0:
             terminal_set = set(terminal)
-            freed = self._evict(excess, {k for k in unique if k not in terminal_set}, unique)
+            freed = self._evict(excess, unique.keys() - terminal_set, unique)
             all_fresh = all_fresh and terminal_set.isdisjoint(unique)  # else a new key may be a victim
         new = fresh if all_fresh else [k for k in unique if lru.get(k) == UNWRITTEN]
         slots = self._take_slots(len(new))
@@ -190,12 +191,8 @@ class SlotIndex:
     def _evict(self, excess: int, protected: set[str], unique: dict[str, memoryview | None]) -> list[int]:
         refs, lru = self.refs, self.lru
         victims: list[str] = []
-        if self.policy is None:
-            for key in lru:
-                if key not in refs and key not in protected:
-                    victims.append(key)
-                    if len(victims) == excess:
-                        break
+        if self.policy is None:  # the oldest unreferenced, unprotected keys (filtered in C)
+            victims = list(islice(filterfalse(refs.__contains__, filterfalse(protected.__contains__, lru)), excess))
             ok = len(victims) == excess
         else:
             candidates = [k for k in lru if k not in refs and k not in protected]
@@ -219,7 +216,7 @@ class SlotIndex:
                 f"{len(refs)} referenced by live requests; nothing from this batch was written "
                 "(raise max_bytes, or lower max_num_seqs / KV cache size)"
             )
-        freed = [s for s in (lru.pop(k) for k in victims) if s != UNWRITTEN]
+        freed = [s for s in map(lru.pop, victims) if s != UNWRITTEN]
         self.free.extend(freed)
         self.lost.extend(victims)
         if self.policy is not None:
