@@ -169,3 +169,28 @@ def test_weights_rows_need_the_frontend_split(caplog):
     assert unsplit.dtype == np.uint8 and unsplit.shape == (3, 2, 4)
     np.testing.assert_array_equal(unsplit, rows["id"])
     assert "no auxout hooks" in caplog.text
+
+
+def test_scheduler_opens_one_client_for_the_publisher_and_the_prefix_check() -> None:
+    from auxout.integrations.vllm.scheduler import SharedStoreClient, make_publisher, make_remote_contains
+    from auxout.stores.redis import RedisStore
+    from auxout.testing.servers import redis_server
+
+    with redis_server() as srv:
+        opts = VllmOptions(store="redis", store_options={"url": srv.url, "namespace": "one-client"})
+        client = SharedStoreClient(opts, 4096)
+        contains = make_remote_contains(opts, client)
+        publisher = make_publisher(opts, 16, client)
+        assert contains is not None and publisher is not None
+        assert contains(["absent"]) == [False]
+        first = client()
+        assert isinstance(first, RedisStore) and first.object_nbytes == 4096
+        publisher._ensure_store(np.zeros((1, 2, 4), dtype=np.uint8))  # 16 rows x 8 bytes fit the bound
+        assert publisher.store is first and client() is first
+        # a bound computed too small from the config: reopened wide enough, still one client
+        wider = client(8192)
+        assert wider is not first and wider.object_nbytes == 8192 and client() is wider
+        wider.put([("k", b"x" * 8000)])
+        assert contains(["k"]) == [True]
+        wider.close()
+    assert make_remote_contains(VllmOptions(), SharedStoreClient(VllmOptions(), 64)) is None

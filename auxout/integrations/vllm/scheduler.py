@@ -92,24 +92,47 @@ def _warn_unsplit(request_id: str) -> None:
         )
 
 
-def make_publisher(opts: VllmOptions, block_size: int, keyspace: KeySpace | None = None) -> KeysPublisher | None:
-    """A scheduler-side client of the shared store, opened once the route shape is known."""
+class SharedStoreClient:
+    """The scheduler's one client of the shared store, opened on first use.
+
+    The keys publisher and the prefix-hit check share it (one connection per engine). It is
+    sized by an upper bound on one route object, known before any rows are seen (the publisher
+    writes exact blocks and shorter boundary pieces; the check reads no payload); a publisher
+    that needs more reopens it wider.
+    """
+
+    def __init__(self, opts: VllmOptions, max_object_nbytes: int) -> None:
+        self.opts = opts
+        self.max_object_nbytes = max_object_nbytes
+        self._store: BlockStore | None = None
+
+    def __call__(self, object_nbytes: int = 0) -> BlockStore:
+        if object_nbytes > self.max_object_nbytes:  # the config-derived bound was short: reopen wider
+            self.max_object_nbytes = object_nbytes
+            if self._store is not None:
+                self._store.close()
+                self._store = None
+        if self._store is None:
+            n = self.max_object_nbytes
+            self._store = make_store(
+                self.opts.store, max_bytes=n, object_nbytes=n, background=False, **self.opts.store_options
+            )
+        return self._store
+
+
+def make_publisher(
+    opts: VllmOptions, block_size: int, client: SharedStoreClient, keyspace: KeySpace | None = None
+) -> KeysPublisher | None:
+    """The keys-only publisher on the shared store (None for an in-process store)."""
     if opts.store not in SHARED_STORES:
         return None
-
-    def open_store(object_nbytes: int) -> BlockStore:
-        return make_store(
-            opts.store, max_bytes=object_nbytes, object_nbytes=object_nbytes, background=False, **opts.store_options
-        )
-
-    return KeysPublisher(open_store, keyspace=keyspace or KeySpace(opts.namespace), block_size=block_size)
+    return KeysPublisher(client, keyspace=keyspace or KeySpace(opts.namespace), block_size=block_size)
 
 
-def make_remote_contains(opts: VllmOptions, max_object_nbytes: int) -> Callable[[Sequence[str]], list[bool]] | None:
+def make_remote_contains(opts: VllmOptions, client: SharedStoreClient) -> Callable[[Sequence[str]], list[bool]] | None:
     """``contains`` on the shared store other instances publish to (P/D peers, replicas, restarts).
 
-    Opened on first use; ``max_object_nbytes`` only bounds payload checks (``contains`` reads no
-    payload). None for an in-process store, which no other instance can fill.
+    None for an in-process store, which no other instance can fill.
     """
     peers = list(opts.store_options.get("read_from") or []) if opts.store == "shm" else []
     if peers:  # shared memory on one host: the segments of the engines this one reads from
@@ -118,17 +141,9 @@ def make_remote_contains(opts: VllmOptions, max_object_nbytes: int) -> Callable[
         return peers_contains(peers)
     if opts.store not in SHARED_STORES:
         return None
-    client: list[BlockStore] = []
 
     def contains(keys: Sequence[str]) -> list[bool]:
-        if not client:
-            client.append(
-                make_store(
-                    opts.store, max_bytes=max_object_nbytes, object_nbytes=max_object_nbytes, background=False,
-                    **opts.store_options,
-                )  # fmt: skip
-            )
-        return client[0].contains(keys)
+        return client().contains(keys)
 
     return contains
 
@@ -218,7 +233,8 @@ class AuxoutScheduler(Scheduler):
         opts = self.auxout_options
         hash_block = self._auxout_hash_block_size(vllm_config)
         keyspace = route_keyspace(vllm_config, opts, hash_block)  # per DP rank, model fingerprint
-        publisher = make_publisher(opts, hash_block, keyspace)
+        client = SharedStoreClient(opts, _max_object_nbytes(vllm_config, hash_block))
+        publisher = make_publisher(opts, hash_block, client, keyspace)
         kv_blocks = int(getattr(self.kv_cache_config, "num_blocks", 0)) * max(1, self.block_size // hash_block)
         self.auxout = SchedulerBridge(
             SchedulerConnector(
@@ -227,7 +243,7 @@ class AuxoutScheduler(Scheduler):
                 default_output=opts.output,
                 keyspace=keyspace,
                 block_size=hash_block,
-                remote_contains=make_remote_contains(opts, _max_object_nbytes(vllm_config, hash_block)),
+                remote_contains=make_remote_contains(opts, client),
                 index_capacity=max(1 << 16, 4 * kv_blocks),
             )
         )
