@@ -94,6 +94,8 @@ def test_dp_ranks_sharing_a_store(separate):
     engines = [_rank(model, store, space) for model, space in zip(models, spaces, strict=True)]
     try:  # both ranks live at once (closing one would close the shared store)
         ok = [_two_turns(eng, model, prompt) for eng, model in zip(engines, models, strict=True)]
+        for eng in engines:  # every rank's writer done before the first close closes the shared store
+            eng.store.flush()
     finally:
         for eng in engines:
             eng.close()
