@@ -76,7 +76,7 @@ class ArenaStore:
             arena = self._check_open()
             if not keys:
                 return b""
-            slots = self._index.lookup(keys, self._missing_detail())
+            slots = self._index.lookup(keys)
             idx = np.asarray(slots, dtype=np.int64)
             lengths = self._lengths[idx]
             if (lengths == self.object_nbytes).all():
@@ -87,7 +87,7 @@ class ArenaStore:
         """Like ``get_concatenated`` but copies straight into ``out`` (one copy, no bytes object)."""
         with self._lock:
             arena = self._check_open()
-            slots = self._index.lookup(keys, self._missing_detail())
+            slots = self._index.lookup(keys)
             idx = np.asarray(slots, dtype=np.int64)
             dst = np.frombuffer(out, dtype=np.uint8)
             if self._short == 0:  # every stored object is full size: no per-object lengths to add up
@@ -130,10 +130,3 @@ class ArenaStore:
         if self._arena is None:
             raise StoreClosedError("ArenaStore")
         return self._arena
-
-    def _missing_detail(self) -> str:
-        return (
-            f"the object may have been evicted (used={len(self._lru)}, limit={self.num_slots} objects); "
-            "engines recompute a prefix hit whose routes are gone; a keys-only manifest must be fetched "
-            "before later requests evict it (or raise max_bytes)"
-        )

@@ -285,12 +285,7 @@ class SharedMemoryStore:
                 return b""
             if self.readonly:
                 return self._reader_get(m, keys)
-            slots = self._slots.lookup(
-                keys,
-                f"the object may have been evicted (used={len(self._slots.lru)}, limit={self.num_slots} objects); "
-                "engines recompute a prefix hit whose routes are gone; a keys-only manifest must be fetched "
-                "before later requests evict it (or raise max_bytes)",
-            )
+            slots = self._slots.lookup(keys)
             idx = np.asarray(slots, dtype=np.int64)
             return _concat(m.data[idx], m.lens[idx], self.object_nbytes)
 

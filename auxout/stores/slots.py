@@ -9,7 +9,7 @@ whole: keys it registered are rolled back and ``StoreCapacityError`` is raised.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from itertools import filterfalse, islice
 
 import numpy as np
@@ -96,11 +96,11 @@ class SlotIndex:
             views.setdefault(key, view)  # first write wins inside a batch too
         return new, [views[k] for k in new], slots, freed
 
-    def lookup(self, keys: Sequence[str], detail: str | Callable[[], str]) -> list[int]:
+    def lookup(self, keys: Sequence[str]) -> list[int]:
         """Slots of ``keys`` (touching them); ``ObjectMissingError`` naming every absent key.
 
-        ``detail`` (or a function making it, called only on a miss) explains the miss. The
-        per-key work runs in C (``map``): a multi-turn prefix read touches hundreds of keys.
+        The per-key work runs in C (``map``): a multi-turn prefix read touches hundreds of keys;
+        the explanation of a miss is built only when there is one.
         """
         lru = self.lru
         try:
@@ -108,8 +108,12 @@ class SlotIndex:
         except KeyError:
             slots = [lru.get(k, UNWRITTEN) for k in keys]
         if UNWRITTEN in slots:
-            text = detail if isinstance(detail, str) else detail()
-            raise ObjectMissingError([k for k, s in zip(keys, slots) if s == UNWRITTEN], text)
+            raise ObjectMissingError(
+                [k for k, s in zip(keys, slots) if s == UNWRITTEN],
+                f"the object may have been evicted (used={len(lru)}, limit={self.num_slots} objects); "
+                "engines recompute a prefix hit whose routes are gone; a keys-only manifest must be fetched "
+                "before later requests evict it (or raise max_bytes)",
+            )
         deque(map(lru.move_to_end, keys), 0)
         return slots
 
