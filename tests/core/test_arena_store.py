@@ -444,3 +444,69 @@ def test_reference_counts_match_one_change_per_key(batches: list[tuple[list[str]
         assert index._apply_refs(retain, release) == want_terminal
         model = after
         assert index.refs == model
+
+
+# -- eviction order: the batched index equals one change per key and a touch per read ------------
+
+
+class _PerKeyIndex(SlotIndex):
+    """The documented semantics spelled out: every reference change one at a time (the policy
+    path, through ``LRUPolicy``) and every read touching every key it reads."""
+
+    def __init__(self, num_slots: int) -> None:
+        super().__init__(num_slots, "reference index", LRUPolicy())
+
+    def lookup(self, keys: Sequence[str]) -> list[int]:
+        slots = super().lookup(keys)
+        for k in keys:
+            self.lru.move_to_end(k)
+        return slots
+
+
+_op = hs.one_of(
+    hs.tuples(
+        hs.just("put"), hs.lists(hs.sampled_from("abcdefgh"), max_size=4),
+        hs.lists(hs.sampled_from("abcdefgh"), max_size=4), hs.lists(hs.sampled_from("abcdefgh"), max_size=4),
+    ),
+    hs.tuples(hs.just("read"), hs.lists(hs.sampled_from("abcdefgh"), min_size=1, max_size=4)),
+)  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(hs.lists(_op, max_size=24))
+def test_eviction_order_matches_per_key_semantics(ops: list[tuple]) -> None:
+    """Overlapping retains and releases skipped as pairs, and reads that touch only unreferenced
+    keys, evict exactly what per-key changes and a touch per read would evict."""
+    fast, slow = SlotIndex(4, "test store"), _PerKeyIndex(4)
+    for op in ops:
+        if op[0] == "read":
+            outcomes = []
+            for index in (fast, slow):
+                try:
+                    outcomes.append(index.lookup(op[1]))
+                except ObjectMissingError as exc:
+                    outcomes.append(sorted(exc.keys))
+            assert outcomes[0] == outcomes[1]
+        else:
+            _, objects, retain, release = op
+            held = dict(slow.refs)
+            for k in retain:
+                held[k] = held.get(k, 0) + 1
+            valid = []  # only releases of held references (anything else is an invariant error)
+            for k in release:
+                if held.get(k, 0) > 0:
+                    held[k] -= 1
+                    valid.append(k)
+            release = valid
+            batch = [(k, payload(i)) for i, k in enumerate(objects)]
+            outcomes = []
+            for index in (fast, slow):
+                try:
+                    outcomes.append(index.plan_put(batch, retain, release, N)[0])
+                except StoreCapacityError:
+                    outcomes.append(None)
+            assert outcomes[0] == outcomes[1]
+        assert fast.refs == slow.refs
+        assert fast.drain_lost() == slow.drain_lost()
+        unreferenced = [[k for k in index.lru if k not in index.refs] for index in (fast, slow)]
+        assert unreferenced[0] == unreferenced[1]
