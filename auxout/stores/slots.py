@@ -114,9 +114,7 @@ class SlotIndex:
                 "engines recompute a prefix hit whose routes are gone; a keys-only manifest must be fetched "
                 "before later requests evict it (or raise max_bytes)",
             )
-        # recency matters only for unreferenced keys: a referenced one cannot be evicted, and its
-        # release moves it to the recent end anyway (an engine reads only keys it holds)
-        deque(map(lru.move_to_end, filterfalse(self.refs.__contains__, keys)), 0)
+        deque(map(lru.move_to_end, keys), 0)
         return slots
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
@@ -127,7 +125,6 @@ class SlotIndex:
         self.lru.clear()
         self.refs.clear()
         self.lost.clear()
-
     def _apply_refs(self, retain: Iterable[str], release: Iterable[str]) -> list[str]:
         """Retains, then releases, without a policy to notify; returns keys released to zero.
 
@@ -139,29 +136,17 @@ class SlotIndex:
         refs = self.refs
         get = refs.get
         retain = list(retain)
-        release = list(release)
-        once = dict.fromkeys(retain, 1)  # no key twice: len(once) == len(retain)
-        unique_release = set(release)
-        if len(once) == len(retain) and len(unique_release) == len(release) and retain and release:
-            # a key retained and released in one batch while already referenced ends where it
-            # started (>= 1, so never terminal): skip both changes. The next turn of a conversation
-            # retains the history its previous turn releases in the same step.
-            both = set(filter(refs.__contains__, unique_release.intersection(once)))
-            if both:
-                skip = both.__contains__
-                retain = list(filterfalse(skip, retain))
-                release = list(filterfalse(skip, release))
-                once = dict.fromkeys(retain, 1)
-                unique_release -= both
         if retain:
-            if len(once) == len(retain) and list(map(get, retain)).count(None) == len(retain):
-                refs.update(once)
+            held = list(map(get, retain))
+            if held.count(None) == len(retain) and len(set(retain)) == len(retain):
+                refs.update(dict.fromkeys(retain, 1))
             else:
                 for key in retain:
                     refs[key] = get(key, 0) + 1
+        release = list(release)
         if not release:
             return []
-        if len(unique_release) == len(release) and list(map(get, release)).count(1) == len(release):
+        if list(map(get, release)).count(1) == len(release) and len(set(release)) == len(release):
             deque(map(refs.__delitem__, release), 0)
             return release
         terminal: list[str] = []

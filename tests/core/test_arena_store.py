@@ -446,7 +446,7 @@ def test_reference_counts_match_one_change_per_key(batches: list[tuple[list[str]
         assert index.refs == model
 
 
-# -- eviction order: the batched index equals one change per key and a touch per read ------------
+# -- eviction order: the batched index equals one change per key and a touch per read -----------
 
 
 class _PerKeyIndex(SlotIndex):
@@ -475,8 +475,8 @@ _op = hs.one_of(
 @settings(max_examples=300, deadline=None)
 @given(hs.lists(_op, max_size=24))
 def test_eviction_order_matches_per_key_semantics(ops: list[tuple]) -> None:
-    """Overlapping retains and releases skipped as pairs, and reads that touch only unreferenced
-    keys, evict exactly what per-key changes and a touch per read would evict."""
+    """The batched index (reference changes through ``map``/``update``, C-filtered eviction)
+    evicts exactly what one reference change per key and a touch per read would evict."""
     fast, slow = SlotIndex(4, "test store"), _PerKeyIndex(4)
     for op in ops:
         if op[0] == "read":
