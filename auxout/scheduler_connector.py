@@ -158,10 +158,11 @@ class SchedulerConnector:
                 raise InvariantError(f"KV block-hash history of request {rid!r} shrank from {n} to {nb}")
             sent[rid] = nb
             start, ret = options.get(rid, default)
+            done = delivered.get(rid)
             if not ret:
                 emit[rid] = NO_EMIT
-            elif rid in delivered:  # rows go out as captured: resume where the last one went
-                emit[rid] = max(start, delivered[rid])
+            elif done is not None:  # rows go out as captured: resume where the last one went
+                emit[rid] = done if done > start else start  # (a conditional, not max(): per request per step)
             else:
                 emit[rid] = start if req.num_output_tokens == 0 else max(start, req.num_tokens - 1)
         if len(sent) != len(emit):  # hash-only updates for tracked requests not scheduled this step
