@@ -149,14 +149,17 @@ class SchedulerConnector:
         hashes: dict[str, PackedHashes] = {}
         for rid in scheduled_ids:
             req = requests[rid]
-            n = sent.get(rid, 0)
             bh = req.block_hashes
             nb = len(bh)
-            if nb > n:
-                hashes[rid] = PackedHashes.pack(bh[n:])
-            elif nb < n:
-                raise InvariantError(f"KV block-hash history of request {rid!r} shrank from {n} to {nb}")
-            sent[rid] = nb
+            n = sent.get(rid, -1)  # -1: not announced yet
+            if nb != n:  # (most decode steps bring no new hash: nothing to write)
+                if nb < n:
+                    raise InvariantError(f"KV block-hash history of request {rid!r} shrank from {n} to {nb}")
+                if n < 0:
+                    n = 0
+                if nb > n:
+                    hashes[rid] = PackedHashes.pack(bh[n:])
+                sent[rid] = nb
             start, ret = options.get(rid, default)
             done = delivered.get(rid)
             if not ret:

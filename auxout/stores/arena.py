@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from auxout.errors import CorruptObjectError, StoreClosedError
-from auxout.stores.base import StoreObject
+from auxout.stores.base import BlockObjects, StoreObject
 from auxout.stores.policy import EvictionPolicy
 from auxout.stores.slots import SlotIndex, write_slots
 
@@ -65,9 +65,15 @@ class ArenaStore:
             if not slots:
                 return  # all already stored (first write wins) or dropped as terminal victims
             idx = np.asarray(slots, dtype=np.int64)
-            old = self._lengths[idx]
-            sizes = write_slots(arena, slots, payloads, objects)
             full = self.object_nbytes
+            if payloads is None and self._short == 0 and isinstance(objects, BlockObjects) and objects.nbytes == full:
+                # the common batch (the worker's full-size blocks, no short object stored): no
+                # length bookkeeping beyond marking the slots full
+                write_slots(arena, idx, None, objects)
+                self._lengths[idx] = full
+                return
+            old = self._lengths[idx]
+            sizes = write_slots(arena, idx, payloads, objects)
             self._short += int(np.count_nonzero(sizes != full)) - int(np.count_nonzero((old != full) & (old != 0)))
             self._lengths[idx] = sizes
 

@@ -229,7 +229,7 @@ class SlotIndex:
 
 
 def write_slots(
-    data: np.ndarray, slots: Sequence[int], payloads: Sequence[memoryview] | None, objects: Sequence[StoreObject]
+    data: np.ndarray, slots: Sequence[int] | np.ndarray, payloads: Sequence[memoryview] | None, objects: Sequence[StoreObject]
 ) -> np.ndarray:
     """Copy the new objects of a planned put into ``data`` rows ``slots``; returns their lengths.
 
