@@ -69,17 +69,31 @@ class KeySpace:
         return [p + h.hex() for h in hashes]
 
     def keys_batch(self, packs: Sequence[PackedHashes], generation: int) -> list[list[str]]:
-        """``keys`` of several requests' hashes at once (a prefill step derives hundreds of keys)."""
-        sizes = {p.item_size for p in packs}
-        if len(sizes) != 1 or sum(map(len, packs)) < _BULK_MIN:
+        """``keys`` of several requests' hashes at once: one prefix, one hex text for the step.
+
+        A prefill step derives hundreds of keys; a decode step a few, each of its own request.
+        """
+        if not packs:
+            return []
+        size = packs[0].item_size
+        if any(p.item_size != size for p in packs):
             return [self.keys(p, generation) for p in packs]
-        flat = _bulk_keys(self.prefix(generation), b"".join(p.data for p in packs), sizes.pop())
+        data = b"".join([p.data for p in packs])
+        prefix = self.prefix(generation)
+        if len(data) >= _BULK_MIN * size:
+            flat = _bulk_keys(prefix, data, size)
+        else:
+            hx = data.hex()
+            n = 2 * size
+            flat = [prefix + hx[i : i + n] for i in range(0, len(hx), n)]
+        if len(packs) == 1:
+            return [flat]
         out: list[list[str]] = []
         pos = 0
         for p in packs:
-            n = len(p)
-            out.append(flat[pos : pos + n])
-            pos += n
+            end = pos + len(p.data) // size
+            out.append(flat[pos:end])
+            pos = end
         return out
 
     @classmethod

@@ -36,6 +36,7 @@ def test_keys_batch_with_mixed_hash_sizes_falls_back_per_request() -> None:
     packs = [PackedHashes.pack([bytes([i]) * 32 for i in range(_BULK_MIN)]), PackedHashes.pack([b"\x01" * 8])]
     assert ks.keys_batch(packs, 3) == [ks.keys(p, 3) for p in packs]
     assert ks.keys_batch(packs, 3)[1] == ["auxout/r3/ns/g3/" + "01" * 8]
+    assert ks.keys_batch([], 3) == []
 
 
 @pytest.mark.parametrize("namespace", ["a b", "", "x/../y"])
