@@ -59,7 +59,7 @@ class StagingPool:
         return out
 
     def free(self, slots: np.ndarray | list[int]) -> None:
-        self._free.extend(int(s) for s in np.asarray(slots).ravel()[::-1])
+        self._free.extend(np.asarray(slots, dtype=np.int64).ravel()[::-1].tolist())
 
     def reset(self) -> None:
         self._free = list(range(self.num_blocks - 1, -1, -1))

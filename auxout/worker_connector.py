@@ -304,9 +304,13 @@ class WorkerConnector:
             hashed.append(s)
             packs.append(packed)
         for s, keys in zip(hashed, self.keyspace.keys_batch(packs, self.generation)):
-            self._add_keys(s, keys, retain, release)
+            self._keys[s].extend(keys)
             if self._staged[s]:
                 keyed.append(s)
+        if hashed:
+            idx = np.array(hashed, dtype=_I64)
+            self._nkeys[idx] = [len(self._keys[s]) for s in hashed]
+            self._sync_pins_many(idx, retain, release)
         objects, pool_slots = self._collect_staged(keyed)  # copied out: teardown may free their slots
         if done:
             release.extend(self._teardown(done))
@@ -668,10 +672,25 @@ class WorkerConnector:
         """Retain/release lists for slots whose readable keyed blocks changed with this capture."""
         retain: list[str] = []
         release: list[str] = []
-        changed = np.minimum(self._nkeys[slots], end // self.block_size) != self._pinned[slots]
-        for s in slots[changed].tolist():
-            self._sync_pins(s, retain, release)
+        self._sync_pins_many(slots, retain, release)
         return retain, release
+
+    def _sync_pins_many(self, slots: np.ndarray, retain: list[str], release: list[str]) -> None:
+        """``_sync_pins`` for many slots (distinct, in this order) with one pass of numpy calls."""
+        nkeys = self._nkeys[slots]
+        cap = self._capture[slots]
+        target = np.where(cap < 0, nkeys, np.minimum(nkeys, cap // self.block_size))
+        have = self._pinned[slots]
+        changed = target != have
+        if not np.count_nonzero(changed):
+            return
+        for s, t, h in zip(slots[changed].tolist(), target[changed].tolist(), have[changed].tolist()):
+            keys = self._keys[s]
+            if t > h:
+                retain.extend(keys[h:t])
+            else:
+                release.extend(reversed(keys[t:h]))
+        self._pinned[slots[changed]] = target[changed]
 
     def _publish(
         self,
