@@ -221,7 +221,8 @@ class SchedulerConnector:
             err = output.errors.get(rid)
             if err is not None:
                 raise RoutesUnavailableError(rid, err)
-        span = output.span_map().get(rid)
+        spans = output._spans  # built once per step; read directly: this runs per request per step
+        span = (spans if spans is not None else output.span_map()).get(rid)
         if span is None:
             raise InvariantError(f"worker output is missing request {rid!r}")
         token_start, lo, hi = span
