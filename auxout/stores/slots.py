@@ -67,6 +67,8 @@ class SlotIndex:
         # objects are immutable: a re-put only refreshes recency; new keys join at the recent end
         # in batch order (per-key work through map/update, which run in C)
         fresh = list(filterfalse(lru.__contains__, unique))
+        if len(fresh) == len(unique) and self.policy is None and all(map(self.refs.__contains__, fresh)):
+            return self._planned(objects, trusted, unique, fresh, *self._plan_pinned(fresh, terminal))
         if len(fresh) == len(unique):
             lru.update(dict.fromkeys(fresh, UNWRITTEN))
         else:  # some are stored already: keep batch order across moved and new keys
@@ -87,6 +89,36 @@ class SlotIndex:
         new = fresh if all_fresh else [k for k in unique if lru.get(k) == UNWRITTEN]
         slots = self._take_slots(len(new))
         lru.update(zip(new, slots))
+        return self._planned(objects, trusted, unique, new, slots, freed)
+
+    def _plan_pinned(self, fresh: list[str], terminal: list[str]) -> tuple[list[int], list[int]]:
+        """``plan_put`` for the engine's common batch: every key new and pinned by a live request.
+
+        A pinned key cannot be evicted, and it moves to the recent end when its last holder
+        releases it, so where it joins the LRU order is never observable: eviction runs first
+        (over the same candidates, in the same order) and each key joins once, with its slot.
+        """
+        lru = self.lru
+        if terminal:
+            deque(map(lru.move_to_end, filter(lru.__contains__, terminal)), 0)
+        freed: list[int] = []
+        excess = len(lru) + len(fresh) - self.num_slots
+        if excess > 0:
+            freed = self._evict(excess, set(), {})  # the new keys are not in the LRU yet
+        slots = self._take_slots(len(fresh))
+        lru.update(zip(fresh, slots))
+        return slots, freed
+
+    def _planned(
+        self,
+        objects: Sequence[StoreObject],
+        trusted: bool,
+        unique: dict[str, memoryview | None],
+        new: list[str],
+        slots: list[int],
+        freed: list[int],
+    ) -> tuple[list[str], list[memoryview] | None, list[int], list[int]]:
+        """``plan_put``'s result: payloads None when the whole ``BlockObjects`` batch is written."""
         if not trusted:
             return new, [unique[k] for k in new], slots, freed  # type: ignore[misc]  # all checked views
         if len(new) == len(objects):
@@ -196,7 +228,8 @@ class SlotIndex:
         refs, lru = self.refs, self.lru
         victims: list[str] = []
         if self.policy is None:  # the oldest unreferenced, unprotected keys (filtered in C)
-            victims = list(islice(filterfalse(refs.__contains__, filterfalse(protected.__contains__, lru)), excess))
+            scan = filterfalse(protected.__contains__, lru) if protected else lru
+            victims = list(islice(filterfalse(refs.__contains__, scan), excess))
             ok = len(victims) == excess
         else:
             candidates = [k for k in lru if k not in refs and k not in protected]
