@@ -61,10 +61,11 @@ class BackgroundStore:
         self._lost: deque[str] = deque()  # keys of dropped batches not yet drained
         self._closed = False
         self._close_lock = threading.Lock()
-        # key -> sequence number of the last queued batch that writes it; batches apply in order,
-        # so a key is still pending iff its number is above ``_applied_seq`` (dict updates run in
-        # C: a prefill batch has hundreds of keys)
-        self._queued: dict[str, int] = {}
+        # (sequence number, keys) of queued batches that write objects, oldest first; batches apply
+        # in order, so one is still pending iff its number is above ``_applied_seq``. A put only
+        # appends its key list (a prefill batch has hundreds of keys); a read looks through the
+        # pending batches, which are few, and only when any is pending.
+        self._pending: deque[tuple[int, Sequence[str]]] = deque()
         self._queued_lock = threading.Lock()
         self._last_seq = 0  # batches queued (producer side)
         self._applied_seq = 0  # last batch the writer finished (applied, dropped or skipped)
@@ -95,10 +96,10 @@ class BackgroundStore:
             self._last_seq += 1
             seq = self._last_seq
             if objects:
-                q = self._queued
-                if q and self._applied_seq >= seq - 1:
-                    q.clear()  # every earlier batch is applied: all entries are stale
-                q.update(dict.fromkeys(object_keys(objects), seq))
+                pending, applied = self._pending, self._applied_seq
+                while pending and pending[0][0] <= applied:
+                    pending.popleft()
+                pending.append((seq, object_keys(objects)))
             self._queue.put((seq, objects, retain_t, release_t))  # under the lock: numbers stay in queue order
 
     def get_concatenated(self, keys: Sequence[str]) -> bytes:
@@ -147,12 +148,14 @@ class BackgroundStore:
     def _drain_for(self, keys: Sequence[str]) -> None:
         if self._closed:
             raise StoreClosedError("BackgroundStore")
-        q = self._queued
         applied = self._applied_seq
-        if q and applied < self._last_seq:
-            hit = q.keys() & keys
-            if hit and max(q.get(k, 0) for k in hit) > applied:
-                self._queue.join()
+        if self._pending and applied < self._last_seq:
+            with self._queued_lock:
+                batches = [batch for seq, batch in self._pending if seq > applied]
+            if batches:
+                wanted = set(keys)
+                if any(not wanted.isdisjoint(batch) for batch in batches):
+                    self._queue.join()
         self._raise_if_failed()
 
     def _raise_if_failed(self) -> None:

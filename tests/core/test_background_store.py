@@ -92,6 +92,33 @@ def test_read_your_writes() -> None:
     bg.close()
 
 
+def test_a_read_waits_only_for_pending_batches_that_write_its_keys() -> None:
+    inner = GatedStore(gate=True)
+    bg = BackgroundStore(inner, max_pending=8)
+    bg.put([("old", payload(9))])
+    assert inner.entered.wait(WAIT)
+    inner.gate.set()
+    bg.flush()  # "old" is applied
+    inner.gate.clear()
+    inner.entered.clear()
+    bg.put([("a", payload(1))])  # the writer blocks inside this batch
+    assert inner.entered.wait(WAIT)
+    bg.put([("b", payload(2))], retain=["b"])  # queued behind it
+    t0 = time.monotonic()
+    assert bg.get_concatenated(["old"]) == payload(9)  # written by no pending batch: no wait
+    assert bg.contains(["old", "zzz"]) == [True, False]
+    assert time.monotonic() - t0 < WAIT / 2
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(bg.get_concatenated(["old", "b"])))
+    reader.start()
+    reader.join(0.2)
+    assert reader.is_alive() and not got, "a read of a key in a pending batch waits for it"
+    inner.gate.set()
+    reader.join(WAIT)
+    assert got == [payload(9) + payload(2)]
+    bg.close()
+
+
 def test_back_pressure_blocks_producer_beyond_max_pending() -> None:
     inner = GatedStore(gate=True)
     bg = BackgroundStore(inner, max_pending=1)
