@@ -169,9 +169,9 @@ class SlotIndex:
         get = refs.get
         retain = list(retain)
         if retain:
-            held = list(map(get, retain))
-            if held.count(None) == len(retain) and len(set(retain)) == len(retain):
-                refs.update(dict.fromkeys(retain, 1))
+            once = dict.fromkeys(retain, 1)
+            if len(once) == len(retain) and refs.keys().isdisjoint(once):
+                refs.update(once)
             else:
                 for key in retain:
                     refs[key] = get(key, 0) + 1
