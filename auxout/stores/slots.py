@@ -2,8 +2,10 @@
 
 Keys are pinned by live requests (possibly before their data exists); unreferenced keys age
 out LRU. Released keys move to the recent end in release order, so a chain released tail-first
-loses its tail first, as the KV cache's free queue does. A batch that cannot fit is rejected
-whole: keys it registered are rolled back and ``StoreCapacityError`` is raised.
+loses its tail first, as the KV cache's free queue does. Only the order of unreferenced keys
+is observable: a referenced key cannot be evicted and moves to the recent end when released.
+A batch that cannot fit is rejected whole: keys it registered are rolled back and
+``StoreCapacityError`` is raised.
 """
 
 from __future__ import annotations
@@ -224,12 +226,34 @@ class SlotIndex:
             self.policy.on_reference_change(key, old, new)
         return new
 
+    def _oldest_unreferenced(self, excess: int, protected: set[str]) -> list[str]:
+        """Up to ``excess`` victims: the oldest unreferenced, unprotected keys (filtered in C).
+
+        Referenced keys scanned past move to the recent end: their place in the order is not
+        observable, and the pins of long-running requests would otherwise sit at the old end and
+        be scanned again by every eviction (a decode step's put took 43 ms behind 100k pinned
+        blocks; docs/performance.md). The scan window grows geometrically, so a batch examines
+        about twice the keys it evicts once the pins are out of the way.
+        """
+        refs, lru = self.refs, self.lru
+        window = 2 * excess + 64
+        while True:
+            head = list(islice(lru, window))
+            scan = filterfalse(protected.__contains__, head) if protected else head
+            victims = list(islice(filterfalse(refs.__contains__, scan), excess))
+            if len(victims) == excess or len(head) < window:
+                break
+            window *= 4
+        if len(victims) == excess and victims:
+            passed = list(filter(refs.__contains__, islice(head, head.index(victims[-1]))))
+            deque(map(lru.move_to_end, passed), 0)
+        return victims
+
     def _evict(self, excess: int, protected: set[str], unique: dict[str, memoryview | None]) -> list[int]:
         refs, lru = self.refs, self.lru
         victims: list[str] = []
-        if self.policy is None:  # the oldest unreferenced, unprotected keys (filtered in C)
-            scan = filterfalse(protected.__contains__, lru) if protected else lru
-            victims = list(islice(filterfalse(refs.__contains__, scan), excess))
+        if self.policy is None:
+            victims = self._oldest_unreferenced(excess, protected)
             ok = len(victims) == excess
         else:
             candidates = [k for k in lru if k not in refs and k not in protected]

@@ -510,3 +510,31 @@ def test_eviction_order_matches_per_key_semantics(ops: list[tuple]) -> None:
         assert fast.drain_lost() == slow.drain_lost()
         unreferenced = [[k for k in index.lru if k not in index.refs] for index in (fast, slow)]
         assert unreferenced[0] == unreferenced[1]
+
+
+class _CountingRefs(dict):
+    """A reference table that counts membership tests (how many keys an eviction examines)."""
+
+    checks = 0
+
+    def __contains__(self, key: object) -> bool:
+        _CountingRefs.checks += 1
+        return super().__contains__(key)
+
+
+def test_pins_at_the_old_end_are_scanned_once_not_by_every_eviction() -> None:
+    """Long-running requests pin the oldest keys; evictions must not re-examine them every put."""
+    index = SlotIndex(2_000, "test store")
+    keys = [f"k{i:05d}" for i in range(2_000)]
+    index.plan_put([(k, payload(0)) for k in keys], keys[:1_500], [], N)  # the oldest 1,500 pinned
+    index.refs = _CountingRefs(index.refs)
+    examined = []
+    for r in range(3):
+        new = [f"n{r}-{i:02d}" for i in range(16)]
+        _CountingRefs.checks = 0
+        index.plan_put([(k, payload(1)) for k in new], new, [], N)
+        examined.append(_CountingRefs.checks)
+        assert index.drain_lost() == keys[1_500 + 16 * r : 1_500 + 16 * (r + 1)], "LRU victims, in order"
+    assert examined[0] >= 1_500, "the first eviction scans past the pins once"
+    assert max(examined[1:]) < 300, f"later evictions examine about the keys they evict, not the pins: {examined}"
+    assert all(k in index.refs for k in keys[:1_500]) and len(index.lru) == 2_000
