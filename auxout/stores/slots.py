@@ -231,7 +231,7 @@ class SlotIndex:
 
         Referenced keys scanned past move to the recent end: their place in the order is not
         observable, and the pins of long-running requests would otherwise sit at the old end and
-        be scanned again by every eviction (a decode step's put took 43 ms behind 100k pinned
+        be scanned again by every eviction (a decode step's put took 41-48 ms behind 100k pinned
         blocks; docs/performance.md). The scan window grows geometrically, so a batch examines
         about twice the keys it evicts once the pins are out of the way.
         """
