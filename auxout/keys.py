@@ -59,13 +59,9 @@ class KeySpace:
         return f"{KEY_PREFIX}/{self.namespace}/g{generation}/"
 
     def keys(self, hashes: PackedHashes | Sequence[bytes], generation: int) -> list[str]:
-        p = self.prefix(generation)
         if isinstance(hashes, PackedHashes):
-            if len(hashes) >= _BULK_MIN:
-                return _bulk_keys(p, hashes.data, hashes.item_size)
-            hx = hashes.data.hex()
-            n = 2 * hashes.item_size
-            return [p + hx[i : i + n] for i in range(0, len(hx), n)]
+            return self.keys_batch([hashes], generation)[0]
+        p = self.prefix(generation)
         return [p + h.hex() for h in hashes]
 
     def keys_batch(self, packs: Sequence[PackedHashes], generation: int) -> list[list[str]]:

@@ -310,7 +310,7 @@ class WorkerConnector:
         if hashed:
             idx = np.array(hashed, dtype=_I64)
             self._nkeys[idx] = [len(self._keys[s]) for s in hashed]
-            self._sync_pins_many(idx, retain, release)
+            self._sync_pins(idx, retain, release)
         objects, pool_slots = self._collect_staged(keyed)  # copied out: teardown may free their slots
         if done:
             release.extend(self._teardown(done))
@@ -322,7 +322,7 @@ class WorkerConnector:
     def _add_keys(self, s: int, keys: list[str], retain: list[str], release: list[str]) -> None:
         self._keys[s].extend(keys)
         self._nkeys[s] = len(self._keys[s])
-        self._sync_pins(s, retain, release)
+        self._sync_pins(np.array([s], dtype=_I64), retain, release)
 
     def _put(self, objects: Sequence[StoreObject], retain: Sequence[str], release: Sequence[str]) -> None:
         """Publish; a batch the store cannot fit or reach is dropped whole (its keys then read as missing)."""
@@ -343,26 +343,6 @@ class WorkerConnector:
         if drain is not None:
             lost.extend(drain())
         return published, lost
-
-    def _sync_pins(self, s: int, retain: list[str], release: list[str]) -> None:
-        """Hold references on exactly the keys a slot may still read.
-
-        Before its first capture a request pins all its keys (a prefix hit will read them);
-        afterwards only complete blocks below its capture cursor: blocks it will compute itself
-        need no pin (the store may still hold them from an earlier request, and pinning those
-        would let live requests hold more objects than the KV cache has blocks).
-        """
-        keys = self._keys[s]
-        cap = int(self._capture[s])
-        target = len(keys)
-        if cap >= 0 and cap // self.block_size < target:
-            target = cap // self.block_size
-        have = int(self._pinned[s])
-        if target > have:
-            retain.extend(keys[have:target])
-        elif target < have:
-            release.extend(reversed(keys[target:have]))
-        self._pinned[s] = target
 
     def _collect_staged(self, slots: Sequence[int]) -> tuple[Sequence[StoreObject], list[int]]:
         """Objects for staged blocks that now have keys (one copy out of the pool)."""
@@ -544,7 +524,7 @@ class WorkerConnector:
         self._tail[slots] = tail
 
         # -- publish complete keyed blocks (whole batch, before any read) ----------------------
-        retain, release = self._pins_after_capture(slots, end)
+        retain, release = self._pins_after_capture(slots)
         nbytes = self._block_nbytes
         objects = BlockObjects(nbytes=nbytes)
         pool_keys: list[str] = []
@@ -647,7 +627,7 @@ class WorkerConnector:
         self._capture[slots] = end
         self._sched[slots] = end
 
-        retain, release = self._pins_after_capture(slots, end)
+        retain, release = self._pins_after_capture(slots)
         pool_keys: list[str] = []
         pool_pub: list[int] = []
         for s, t, block in zip(slots[done].tolist(), ts[done].tolist(), tail[done].tolist()):
@@ -668,15 +648,22 @@ class WorkerConnector:
         published, lost = self._route_events()
         return StepOutput(list(p.req_ids), emit.copy(), lo, hi, rows, {}, self.profile.empty(0), published, lost)
 
-    def _pins_after_capture(self, slots: np.ndarray, end: np.ndarray) -> tuple[list[str], list[str]]:
-        """Retain/release lists for slots whose readable keyed blocks changed with this capture."""
+    def _pins_after_capture(self, slots: np.ndarray) -> tuple[list[str], list[str]]:
+        """Retain/release lists for slots whose capture cursor just moved (already stored in ``_capture``)."""
         retain: list[str] = []
         release: list[str] = []
-        self._sync_pins_many(slots, retain, release)
+        self._sync_pins(slots, retain, release)
         return retain, release
 
-    def _sync_pins_many(self, slots: np.ndarray, retain: list[str], release: list[str]) -> None:
-        """``_sync_pins`` for many slots (distinct, in this order) with one pass of numpy calls."""
+    def _sync_pins(self, slots: np.ndarray, retain: list[str], release: list[str]) -> None:
+        """Hold references on exactly the keys each slot may still read (distinct slots, in order).
+
+        Before its first capture a request pins all its keys (a prefix hit will read them);
+        afterwards only complete blocks below its capture cursor: blocks it will compute itself
+        need no pin (the store may still hold them from an earlier request, and pinning those
+        would let live requests hold more objects than the KV cache has blocks). One pass of
+        numpy calls for the whole step; a Python loop only over the slots whose pins changed.
+        """
         nkeys = self._nkeys[slots]
         cap = self._capture[slots]
         target = np.where(cap < 0, nkeys, np.minimum(nkeys, cap // self.block_size))
