@@ -8,6 +8,7 @@ prefix returns its weights exactly like its ids. :func:`split_rows` separates th
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,7 +45,7 @@ class RouteProfile:
 
     @property
     def dtype(self) -> np.dtype:
-        return route_dtype(self.id_dtype, self.weights)
+        return _profile_dtype(self.num_experts, self.weights)
 
     @property
     def shape_per_token(self) -> tuple[int, int]:
@@ -73,6 +74,12 @@ def route_dtype(id_dtype: np.dtype | str, weights: bool) -> np.dtype:
     """The row item dtype: the ids' dtype, or ``[("id", ids), ("w", "<f4")]`` with weights."""
     ids = np.dtype(id_dtype)
     return np.dtype([("id", ids), ("w", WEIGHT_DTYPE)]) if weights else ids
+
+
+@functools.cache
+def _profile_dtype(num_experts: int, weights: bool) -> np.dtype:
+    """``RouteProfile.dtype``, built once per shape: the data plane checks it every step."""
+    return route_dtype(id_dtype_for(num_experts), weights)
 
 
 def has_weights(rows: np.ndarray) -> bool:

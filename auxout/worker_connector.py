@@ -36,6 +36,7 @@ from auxout.staging import StagingPool, staging_pool_blocks
 from auxout.stores.base import BlockObjects, BlockStore, StoreObject, object_keys, read_into
 
 _I64 = np.int64
+_NO_LIMIT = (1 << 62) - 1
 
 
 @dataclass(slots=True)
@@ -150,6 +151,8 @@ class WorkerConnector:
         self._alloc_slots(max(8, 2 * max_num_seqs))
         self._pending_steps: list[PendingStep] = []
         self._void_seqs: set[int] = set()  # in-flight steps voided by a generation change
+        self._awaiting: set[int] = set()  # finished slots whose teardown waits for in-flight outputs
+        self._no_rows = profile.empty(0)
         self._step_ready = False
         self._seq = 0
         self._closed = False
@@ -167,7 +170,6 @@ class WorkerConnector:
         self._sched = np.zeros(n, dtype=_I64)  # end of the last executed (scheduled) range
         self._emit = np.zeros(n, dtype=_I64)  # first position not emitted yet
         self._inflight = np.zeros(n, dtype=_I64)  # unprocessed step outputs covering the slot
-        self._finished = np.zeros(n, dtype=bool)
         self._tail = np.full(n, -1, dtype=_I64)  # pool slot of the incomplete tail block
         self._nkeys = np.zeros(n, dtype=_I64)  # len(self._keys[s])
         self._pinned = np.zeros(n, dtype=_I64)  # leading keys this slot holds a store reference on
@@ -186,9 +188,6 @@ class WorkerConnector:
             new = np.full(n, fill, dtype=arr.dtype)
             new[:old] = arr
             setattr(self, name, new)
-        fin = np.zeros(n, dtype=bool)
-        fin[:old] = self._finished
-        self._finished = fin
         self._keys += [[] for _ in range(n - old)]
         self._staged += [{} for _ in range(n - old)]
         self._rid += [""] * (n - old)
@@ -202,7 +201,6 @@ class WorkerConnector:
         self._sched[s] = 0
         self._emit[s] = emit_start
         self._inflight[s] = 0
-        self._finished[s] = False
         self._tail[s] = -1
         self._nkeys[s] = 0
         self._pinned[s] = 0
@@ -226,7 +224,7 @@ class WorkerConnector:
             self._pinned[s] = 0
             self._staged[s] = {}
             self._tail[s] = -1
-            self._finished[s] = False
+            self._awaiting.discard(s)
             self._free_slots.append(s)
         if pool_free:
             self.pool.free(pool_free)
@@ -251,7 +249,8 @@ class WorkerConnector:
             for p in self._pending_steps:
                 self._inflight[p.slots] = 0
                 self._void_seqs.add(p.seq)
-            release = self._teardown(list(self._slot_of.values()))
+            # (requests that finished with an output in flight too: their teardown waited for it)
+            release = self._teardown(list(self._slot_of.values()) + sorted(self._awaiting))
             self._slot_of.clear()
             self.pool.reset()
             self._tail[:] = -1
@@ -272,24 +271,27 @@ class WorkerConnector:
                 self._add_keys(s, self.keyspace.keys(packed, self.generation), retain, release)
             if self._staged[s]:
                 keyed.append(s)
-            self._finished[s] = True
             if self._inflight[s] == 0:
                 done.append(s)
+            else:
+                self._awaiting.add(s)
         reqs = meta.requests
         known = np.fromiter(map(slot_of.get, reqs, repeat(-1, len(reqs))), dtype=_I64, count=len(reqs))
         if len(known):
             starts = np.fromiter(reqs.values(), dtype=_I64, count=len(reqs))
             old = known >= 0
-            ks = known[old]
-            ahead = (self._inflight[ks] == 0) & (starts[old] > self._emit[ks])
-            if np.count_nonzero(ahead):
-                i = int(np.flatnonzero(old)[np.argmax(ahead)])
-                rid = list(reqs)[i]
-                raise InvariantError(
-                    f"scheduler emit cursor moved ahead of the worker for request {rid!r}: "
-                    f"emit_start={int(starts[i])}, worker emitted up to {int(self._emit[known[i]])}"
-                )
-            if np.count_nonzero(old) != len(old):
+            all_old = np.count_nonzero(old) == len(old)
+            ks, ss = (known, starts) if all_old else (known[old], starts[old])
+            if np.count_nonzero(ss > self._emit[ks]):  # ahead of the worker, unless output is in flight
+                ahead = (self._inflight[ks] == 0) & (ss > self._emit[ks])
+                if np.count_nonzero(ahead):
+                    i = int(np.flatnonzero(old)[np.argmax(ahead)])
+                    rid = list(reqs)[i]
+                    raise InvariantError(
+                        f"scheduler emit cursor moved ahead of the worker for request {rid!r}: "
+                        f"emit_start={int(starts[i])}, worker emitted up to {int(self._emit[known[i]])}"
+                    )
+            if not all_old:
                 names = list(reqs)
                 for i in np.flatnonzero(~old).tolist():
                     self._new_slot(names[i], int(starts[i]))
@@ -443,10 +445,13 @@ class WorkerConnector:
         finally:
             self._pending_steps.pop(0)
             slots = pending.slots
-            self._inflight[slots] -= 1
-            done = [int(s) for s in slots[(self._inflight[slots] == 0) & self._finished[slots]]]
-            if done:
-                self._put([], (), self._teardown(done))
+            inflight = self._inflight
+            inflight[slots] -= 1
+            awaiting = self._awaiting
+            if awaiting:  # finished requests this was the last output of
+                done = [s for s in slots.tolist() if s in awaiting and inflight[s] == 0]
+                if done:
+                    self._put([], (), self._teardown(done))
 
     # -- the heart of the data plane ----------------------------------------------------------
     def _commit(self, p: PendingStep, sampled: np.ndarray, rejected: np.ndarray) -> StepOutput:
@@ -454,11 +459,11 @@ class WorkerConnector:
         slots, rows, ts = p.slots, p.rows, p.token_starts
         qs, qe = p.query_start_loc[:-1], p.query_start_loc[1:]
         n_exec = qe - qs
-        self._check_rows(p, n_exec, rejected)
-        if not np.count_nonzero(rejected):
-            out = self._commit_decode(p, sampled)
+        if not np.count_nonzero(rejected) and np.count_nonzero(n_exec == 1) == len(n_exec):
+            out = self._commit_decode(p)  # (one row each, none rejected: nothing for _check_rows to find)
             if out is not None:
                 return out
+        self._check_rows(p, n_exec, rejected)
         kept = n_exec - rejected
 
         cur = self._capture[slots]
@@ -568,7 +573,7 @@ class WorkerConnector:
         hi[fast] = qs[fast] + kept[fast]
         self._emit[slots[do_emit]] = end[do_emit]
         errors: dict[str, str] = {}
-        extra = self.profile.empty(0)
+        extra = self._no_rows
         slow = np.flatnonzero(do_emit & (emit < cap))
         if len(slow):
             # rows emitted from before this step (cached prefix, earlier chunks): one buffer,
@@ -593,60 +598,74 @@ class WorkerConnector:
                 hi[i] = len(rows) + offset + size
                 offset += size
         published, lost = self._route_events()
-        return StepOutput(list(p.req_ids), emit.copy(), lo, hi, rows, errors, extra, published, lost)
+        return StepOutput(list(p.req_ids), emit, lo, hi, rows, errors, extra, published, lost)  # emit: a gathered copy
 
-    def _commit_decode(self, p: PendingStep, sampled: np.ndarray) -> StepOutput | None:
+    def _commit_decode(self, p: PendingStep) -> StepOutput | None:
         """``_commit`` for the common decode step, in a third of the numpy calls; None if not one.
 
-        Applies when every request executed exactly one token at its capture cursor with no
-        draft rejected and nothing to read back from the store: each row extends (or opens)
-        its request's staged tail block, and a tail that fills up is published or staged.
+        Applies when every request executed exactly one token (checked by the caller) at its
+        capture cursor with no draft rejected and nothing to read back from the store: each row
+        extends (or opens) its request's staged tail block, and a tail that fills up is
+        published or staged.
         """
         bs = self.block_size
         slots, rows, ts = p.slots, p.rows, p.token_starts
         n = len(slots)
-        q0 = int(p.query_start_loc[0])
-        if bs == 1 or n == 0 or int(p.query_start_loc[n]) - q0 != n:  # (n_exec >= 1 each: all are 1)
+        if bs == 1 or n == 0:
             return None
         if np.count_nonzero(self._capture[slots] != ts):  # first capture, or re-attaching a draft gap
             return None
         emit = self._emit[slots]
         if np.count_nonzero(emit < ts):  # rows before this step must come from the store
             return None
+        q0 = int(p.query_start_loc[0])
         end = ts + 1
         pos = ts % bs
         old_tail = self._tail[slots]
         opening = pos == 0
         if np.count_nonzero(~opening & (old_tail < 0)):
             raise InvariantError("open tail block lost its staging slot")
+        n_open = int(np.count_nonzero(opening))
         tail = old_tail.copy()
-        tail[opening] = self.pool.alloc(int(np.count_nonzero(opening)))
+        if n_open:
+            tail[opening] = self.pool.alloc(n_open)
         self.pool.token_rows[tail * bs + pos] = rows.reshape(len(rows), -1)[q0 : q0 + n]
-        done = pos == bs - 1
-        self._tail[slots] = np.where(done, -1, tail)
+        done = np.flatnonzero(pos == bs - 1)
         self._capture[slots] = end
         self._sched[slots] = end
 
-        retain, release = self._pins_after_capture(slots)
+        retain: list[str] = []
+        release: list[str] = []
         pool_keys: list[str] = []
         pool_pub: list[int] = []
-        for s, t, block in zip(slots[done].tolist(), ts[done].tolist(), tail[done].tolist()):
-            b = t // bs
-            keys = self._keys[s]
-            if b < len(keys):
-                pool_keys.append(keys[b])
-                pool_pub.append(block)
-            else:
-                self._staged[s][b] = block  # its hash arrives with a later step
+        if len(done):  # pins follow the capture cursor: only a request that completed a block moves them
+            full = slots[done]
+            self._sync_pins(full, retain, release)
+            blocks = tail[done]
+            tail[done] = -1
+            for s, t, block in zip(full.tolist(), ts[done].tolist(), blocks.tolist()):
+                b = t // bs
+                keys = self._keys[s]
+                if b < len(keys):
+                    pool_keys.append(keys[b])
+                    pool_pub.append(block)
+                else:
+                    self._staged[s][b] = block  # its hash arrives with a later step
+        self._tail[slots] = tail
         self._publish(None, pool_keys, pool_pub, retain, release)
 
-        do_emit = emit <= end
         qs = p.query_start_loc[:n]
-        lo = np.where(do_emit, qs + (emit - ts), -1)
-        hi = np.where(do_emit, qs + 1, -1)
-        self._emit[slots[do_emit]] = end[do_emit]
+        if np.count_nonzero(emit == ts) == n:  # every request emits its one row (emit <= end)
+            lo = qs.copy()
+            hi = qs + 1
+            self._emit[slots] = end
+        else:
+            do_emit = emit <= end
+            lo = np.where(do_emit, qs + (emit - ts), -1)
+            hi = np.where(do_emit, qs + 1, -1)
+            self._emit[slots[do_emit]] = end[do_emit]
         published, lost = self._route_events()
-        return StepOutput(list(p.req_ids), emit.copy(), lo, hi, rows, {}, self.profile.empty(0), published, lost)
+        return StepOutput(list(p.req_ids), emit, lo, hi, rows, {}, self._no_rows, published, lost)
 
     def _pins_after_capture(self, slots: np.ndarray) -> tuple[list[str], list[str]]:
         """Retain/release lists for slots whose capture cursor just moved (already stored in ``_capture``)."""
@@ -665,19 +684,20 @@ class WorkerConnector:
         numpy calls for the whole step; a Python loop only over the slots whose pins changed.
         """
         nkeys = self._nkeys[slots]
-        cap = self._capture[slots]
-        target = np.where(cap < 0, nkeys, np.minimum(nkeys, cap // self.block_size))
+        # no capture yet (-1, so cap // bs == -1): the mask turns -1 into a limit above any key count
+        target = np.minimum(nkeys, (self._capture[slots] // self.block_size) & _NO_LIMIT)
         have = self._pinned[slots]
-        changed = target != have
-        if not np.count_nonzero(changed):
+        changed = np.flatnonzero(target != have)  # integer indices: cheaper to gather than a mask
+        if not len(changed):
             return
-        for s, t, h in zip(slots[changed].tolist(), target[changed].tolist(), have[changed].tolist()):
+        target, moved = target[changed], slots[changed]
+        for s, t, h in zip(moved.tolist(), target.tolist(), have[changed].tolist()):
             keys = self._keys[s]
             if t > h:
                 retain.extend(keys[h:t])
             else:
                 release.extend(reversed(keys[t:h]))
-        self._pinned[slots[changed]] = target[changed]
+        self._pinned[moved] = target
 
     def _publish(
         self,

@@ -75,6 +75,8 @@ class BlockObjects(Sequence[StoreObject]):
 
 def drain(items: deque[str]) -> list[str]:
     """Everything in ``items``, removed in order (safe while another thread appends)."""
+    if not items:  # the common case: no exception raised and caught
+        return []
     out: list[str] = []
     pop = items.popleft
     try:

@@ -864,3 +864,22 @@ def test_output_buffers_are_reused_only_without_live_views() -> None:
     del held, other
     again = b_pool.take(2000)
     assert id(again.base) == base_id, "a buffer without live views is reused (warm pages, no faults)"
+
+
+def test_generation_change_tears_down_requests_finished_with_output_in_flight() -> None:
+    """A request that finished while its output was in flight, then a reset voids that output:
+    its pins are released with the reset (nothing else would release them)."""
+    w, spy = make(mcb=2)
+    t = oracle(5)
+    w.begin_step(meta({"a": 0}, {"a": [1, 2]}))
+    p = prepare(w, [("a", 0, t[:6])])  # in flight
+    w.begin_step(meta(finished=("a",)))  # teardown deferred: the output is still in flight
+    assert spy.references(key(1)) == 1 and spy.references(key(2)) == 1
+    w.begin_step(meta(generation=1))
+    out = w.process_output(p, [1])
+    assert out.rows_for("a") is None and w.num_inflight == 0
+    assert spy.references(key(1)) == 0 and spy.references(key(2)) == 0
+    assert w.pool.num_free == w.pool.num_blocks
+    t2 = oracle(6)  # and the slot is reusable
+    out = run(w, meta({"b": 0}, {"b": [3]}, generation=1), [("b", 0, t2[:5])], [1])
+    assert_emits(out, "b", 0, t2[:5])
