@@ -135,19 +135,17 @@ class AuxoutWorkerMixin:
         batch = runner.input_batch
         n = batch.num_reqs
         req_ids = list(batch.req_ids[:n])
-        qsl = runner.query_start_loc.np[: n + 1].copy()
-        starts = batch.num_computed_tokens_cpu[:n].copy()
+        qsl = runner.query_start_loc.np[: n + 1]  # (prepare_output copies what it keeps)
+        starts = batch.num_computed_tokens_cpu[:n]
         assert self._auxout_capture is not None
         rows = self._auxout_capture.snapshot(int(qsl[-1]))
         with self._auxout_lock:
             pending = conn.prepare_output(req_ids, starts, qsl, rows)
         if pending is not None:
+            spec = scheduler_output.scheduled_spec_decode_tokens  # (scheduled counts matter only with drafts)
             self._auxout_pending = (
-                pending,
-                req_ids,
-                dict(scheduler_output.num_scheduled_tokens),
-                dict(scheduler_output.scheduled_spec_decode_tokens),
-            )
+                pending, req_ids, dict(scheduler_output.num_scheduled_tokens) if spec else {}, dict(spec)
+            )  # fmt: skip
         if output is not None:  # output already final (no separate sampling call)
             return self._auxout_finish(output)
         return output
@@ -172,12 +170,15 @@ class AuxoutWorkerMixin:
         if not isinstance(output, ModelRunnerOutput) or output is EMPTY_MODEL_RUNNER_OUTPUT:
             raise RuntimeError(f"auxout needs the step's ModelRunnerOutput, got {type(output).__name__}")
         pending, req_ids, scheduled, spec = step
-        index = output.req_id_to_index
         sampled_ids = output.sampled_token_ids
-        num_sampled = np.fromiter(
-            (len(sampled_ids[index[r]]) if r in index else 0 for r in req_ids), dtype=np.int64, count=len(req_ids)
-        )
-        rejected = num_rejected_tokens(req_ids, num_sampled, scheduled, spec)
+        if output.req_ids == req_ids and len(sampled_ids) == len(req_ids):  # the same batch order (usual)
+            num_sampled = np.fromiter(map(len, sampled_ids), dtype=np.int64, count=len(req_ids))
+        else:
+            index = output.req_id_to_index
+            num_sampled = np.fromiter(
+                (len(sampled_ids[index[r]]) if r in index else 0 for r in req_ids), dtype=np.int64, count=len(req_ids)
+            )
+        rejected = num_rejected_tokens(req_ids, num_sampled, scheduled, spec) if spec else None
         assert self._auxout_connector is not None
         with self._auxout_lock:
             routes = self._auxout_connector.process_output(pending, num_sampled, rejected)
