@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -97,6 +98,78 @@ class KeySpace:
         """Namespace for one engine instance and data-parallel rank (never mixed in a shared store)."""
         return cls(f"{instance}/dp{dp_rank}")
 
+
+class ChainKeys:
+    """Keys of recently finished hash chains, reused when a new request re-sends the same prefix.
+
+    The next turn of a conversation re-sends its whole history, whose block hashes are the
+    previous turn's (they are chained), so their keys are strings derived when that turn ran.
+    Reusing them skips deriving them again, and the store's dictionaries then meet the same
+    string objects (hash cached, compared by identity). A key is a function of its hash bytes
+    alone, and reuse is decided by comparing those bytes, so a reused key is always its hash's
+    key. Entries are keyed by a chain's first hash, least recently used out first.
+    """
+
+    def __init__(self, keyspace: KeySpace, capacity: int) -> None:
+        self.keyspace = keyspace
+        self.capacity = capacity
+        self.generation = 0
+        self._chains: OrderedDict[bytes, tuple[bytes, int, list[str]]] = OrderedDict()
+
+    def remember(self, data: bytes, item_size: int, keys: list[str], generation: int) -> None:
+        """The chain ``data`` (hashes of ``item_size`` bytes) has ``keys``, under ``generation``."""
+        if generation != self.generation:
+            self._chains.clear()
+            self.generation = generation
+        if len(keys) < _REUSE_MIN or len(data) != len(keys) * item_size:
+            return
+        head = data[:item_size]
+        self._chains[head] = (data, item_size, keys)
+        self._chains.move_to_end(head)
+        if len(self._chains) > self.capacity:
+            self._chains.popitem(last=False)
+
+    def keys_batch(self, packs: Sequence[PackedHashes], generation: int) -> list[list[str]]:
+        """``KeySpace.keys_batch``, with the leading keys of a remembered chain reused."""
+        if generation != self.generation:
+            self._chains.clear()
+            self.generation = generation
+        if not self._chains:
+            return self.keyspace.keys_batch(packs, generation)
+        reused: list[list[str]] = []
+        rest: list[PackedHashes] = []
+        for p in packs:
+            head = p.data[: p.item_size]
+            chain = self._chains.get(head) if len(p) >= _REUSE_MIN else None
+            n = _shared_prefix(p, chain)
+            if chain is None or not n:
+                reused.append([])
+                rest.append(p)
+                continue
+            self._chains.move_to_end(head)
+            reused.append(chain[2][:n])
+            rest.append(PackedHashes(p.data[n * p.item_size :], p.item_size))
+        todo = [i for i, p in enumerate(rest) if p.data]
+        derived = self.keyspace.keys_batch([rest[i] for i in todo], generation)
+        for i, keys in zip(todo, derived):
+            reused[i] = reused[i] + keys if reused[i] else keys
+        return reused
+
+
+def _shared_prefix(pack: PackedHashes, chain: tuple[bytes, int, list[str]] | None) -> int:
+    """How many leading hashes ``pack`` shares with a remembered chain (0 if none)."""
+    if chain is None or chain[1] != pack.item_size:
+        return 0
+    old, size = chain[0], chain[1]
+    m = min(len(old), len(pack.data))
+    if pack.data[:m] == old[:m]:  # the usual case: the new turn extends the whole old chain
+        return m // size
+    diff = np.flatnonzero(np.frombuffer(pack.data, np.uint8, m) != np.frombuffer(old, np.uint8, m))
+    return int(diff[0]) // size
+
+
+# A chain this short is derived again (cheaper than looking it up).
+_REUSE_MIN = 8
 
 # From this many keys on, one numpy fill and one C-level split beat a string concatenation per
 # key (measured break-even ~64 keys of 32-byte hashes; 512 keys: 0.68x the time).

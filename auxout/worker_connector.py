@@ -29,7 +29,7 @@ from itertools import repeat
 import numpy as np
 
 from auxout.errors import BlockStoreError, InvariantError, StoreCapacityError, StoreUnavailableError
-from auxout.keys import KeySpace, PackedHashes
+from auxout.keys import ChainKeys, KeySpace, PackedHashes
 from auxout.metadata import NO_EMIT, StepMetadata, StepOutput
 from auxout.profile import RouteProfile
 from auxout.staging import StagingPool, staging_pool_blocks
@@ -133,6 +133,7 @@ class WorkerConnector:
         self.block_size = block_size
         self.store = store
         self.keyspace = keyspace or KeySpace()
+        self._chains = ChainKeys(self.keyspace, capacity=2 * max_num_seqs)  # keys of finished requests
         self.max_concurrent_batches = max_concurrent_batches
         self._block_nbytes = expected
         self._token_nbytes = profile.token_nbytes
@@ -174,6 +175,7 @@ class WorkerConnector:
         self._nkeys = np.zeros(n, dtype=_I64)  # len(self._keys[s])
         self._pinned = np.zeros(n, dtype=_I64)  # leading keys this slot holds a store reference on
         self._keys: list[list[str]] = [[] for _ in range(n)]
+        self._hashes: list[list[PackedHashes]] = [[] for _ in range(n)]  # the packs self._keys came from
         self._staged: list[dict[int, int]] = [{} for _ in range(n)]  # block index -> pool slot (unkeyed)
         self._rid: list[str] = [""] * n
         self._free_slots = list(range(n - 1, -1, -1))
@@ -189,6 +191,7 @@ class WorkerConnector:
             new[:old] = arr
             setattr(self, name, new)
         self._keys += [[] for _ in range(n - old)]
+        self._hashes += [[] for _ in range(n - old)]
         self._staged += [{} for _ in range(n - old)]
         self._rid += [""] * (n - old)
         self._free_slots = list(range(n - 1, old - 1, -1)) + self._free_slots
@@ -205,6 +208,7 @@ class WorkerConnector:
         self._nkeys[s] = 0
         self._pinned[s] = 0
         self._keys[s] = []
+        self._hashes[s] = []
         self._staged[s] = {}
         self._rid[s] = rid
         self._slot_of[rid] = s
@@ -220,6 +224,7 @@ class WorkerConnector:
             if self._tail[s] >= 0:
                 pool_free.append(int(self._tail[s]))
             self._keys[s] = []
+            self._hashes[s] = []
             self._nkeys[s] = 0
             self._pinned[s] = 0
             self._staged[s] = {}
@@ -268,7 +273,9 @@ class WorkerConnector:
             if packed is None and rid not in meta.requests:  # older engines: trailing hashes ride along
                 packed = meta.block_hashes.get(rid)
             if packed is not None:
+                self._hashes[s].append(packed)
                 self._add_keys(s, self.keyspace.keys(packed, self.generation), retain, release)
+            self._remember_chain(s)
             if self._staged[s]:
                 keyed.append(s)
             if self._inflight[s] == 0:
@@ -305,7 +312,9 @@ class WorkerConnector:
                 raise InvariantError(f"block hashes for request {rid!r} which the worker does not track")
             hashed.append(s)
             packs.append(packed)
-        for s, keys in zip(hashed, self.keyspace.keys_batch(packs, self.generation)):
+        for s, pack in zip(hashed, packs):
+            self._hashes[s].append(pack)
+        for s, keys in zip(hashed, self._chains.keys_batch(packs, self.generation)):
             self._keys[s].extend(keys)
             if self._staged[s]:
                 keyed.append(s)
@@ -320,6 +329,13 @@ class WorkerConnector:
             self._put(objects, retain, release)
         if pool_slots:
             self.pool.free(pool_slots)
+
+    def _remember_chain(self, s: int) -> None:
+        """Offer a finished request's keys for reuse: a next turn re-sends this history."""
+        chain = self._hashes[s]
+        if chain and len({p.item_size for p in chain}) == 1:
+            data = chain[0].data if len(chain) == 1 else b"".join([p.data for p in chain])
+            self._chains.remember(data, chain[0].item_size, self._keys[s], self.generation)
 
     def _add_keys(self, s: int, keys: list[str], retain: list[str], release: list[str]) -> None:
         self._keys[s].extend(keys)

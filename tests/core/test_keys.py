@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from auxout.keys import _BULK_MIN, KeySpace, PackedHashes
+from auxout.keys import _BULK_MIN, _REUSE_MIN, ChainKeys, KeySpace, PackedHashes
 
 namespaces = st.text(min_size=1, max_size=24).filter(lambda s: not any(c.isspace() for c in s) and ".." not in s)
 
@@ -43,3 +43,51 @@ def test_keys_batch_with_mixed_hash_sizes_falls_back_per_request() -> None:
 def test_invalid_namespaces_are_rejected(namespace: str) -> None:
     with pytest.raises(ValueError, match="invalid key namespace"):
         KeySpace(namespace)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.booleans(),  # remember the chain after deriving it
+            st.integers(0, 3),  # which trunk the chain starts from
+            st.integers(0, 40),  # hashes taken from the trunk
+            st.lists(st.integers(0, 255), max_size=12),  # then hashes of its own
+            st.integers(0, 1),  # generation
+        ),
+        min_size=1,
+        max_size=12,
+    ),
+    capacity=st.integers(1, 4),
+)
+def test_chain_keys_equal_derived_keys(ops: list, capacity: int) -> None:
+    """Whatever was remembered (shared prefixes, diverging chains, evicted entries, another
+    generation), the keys handed out are exactly the derived ones."""
+    ks = KeySpace("ns")
+    chains = ChainKeys(ks, capacity)
+    trunks = [[bytes([t, i]) * 16 for i in range(40)] for t in range(4)]
+    for remember, trunk, shared, own, generation in ops:
+        hashes = trunks[trunk][:shared] + [bytes([200, b]) * 16 for b in own]
+        if not hashes:
+            continue
+        pack = PackedHashes.pack(hashes)
+        got = chains.keys_batch([pack, PackedHashes.pack(hashes[:1])], generation)
+        assert got == ks.keys_batch([pack, PackedHashes.pack(hashes[:1])], generation)
+        if remember:
+            chains.remember(pack.data, 32, got[0], generation)
+
+
+def test_a_next_turn_reuses_the_key_objects_of_the_previous_one() -> None:
+    ks = KeySpace("ns")
+    chains = ChainKeys(ks, capacity=8)
+    turn1 = [bytes([i]) * 32 for i in range(2 * _REUSE_MIN)]
+    keys1 = chains.keys_batch([PackedHashes.pack(turn1)], 0)[0]
+    chains.remember(b"".join(turn1), 32, keys1, 0)
+    turn2 = turn1 + [b"\xff" * 32]
+    keys2 = chains.keys_batch([PackedHashes.pack(turn2)], 0)[0]
+    assert keys2 == ks.keys(turn2, 0)
+    assert all(a is b for a, b in zip(keys1, keys2)), "the history's keys are the same string objects"
+    diverged = turn1[:3] + [b"\xee" * 32] * _REUSE_MIN  # shares 3 hashes, then differs
+    keys3 = chains.keys_batch([PackedHashes.pack(diverged)], 0)[0]
+    assert keys3 == ks.keys(diverged, 0) and keys3[0] is keys1[0] and keys3[3] is not keys1[3]
+    assert chains.keys_batch([PackedHashes.pack(turn2)], 1)[0] == ks.keys(turn2, 1), "a new generation derives anew"
