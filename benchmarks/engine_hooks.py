@@ -1,0 +1,136 @@
+"""Per-step time inside each auxout hook of a routes-on vLLM engine, beside vLLM's own phases.
+
+``engine_overhead.py`` measures the throughput ratio, which on a shared 2-core machine moves by
+±10% between pairs; a sampling profile attributes it only statistically. This script times the
+hooks themselves: it wraps auxout's connector and bridge calls and vLLM's scheduler and worker
+phases with ``time.perf_counter`` and runs the engine in one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+the ``uni`` executor), so every hook runs where it is timed. Prints microseconds per engine step
+(a run's steps: one prefill, then decode) and the median and worst single call of the hot hooks.
+
+    python benchmarks/engine_hooks.py              # tiny qwen3_moe, routes on, then a routes-off engine
+    python benchmarks/engine_hooks.py --only on
+
+The routes-off engine runs in a fresh process (one engine per process keeps each step's memory
+and threads as in a real server); its forward time varies by ±20% between runs on a shared
+machine, so read auxout's cost from the hook rows, not from the difference of the two totals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+TIMES: dict[str, list[float]] = {}
+
+
+def timed(cls: Any, name: str, label: str) -> None:
+    """Wrap ``cls.name`` so every call's wall time lands in ``TIMES[label]``."""
+    func = getattr(cls, name)
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return func(*args, **kwargs)
+        finally:
+            TIMES.setdefault(label, []).append(time.perf_counter() - t0)
+
+    setattr(cls, name, wrapper)
+
+
+def instrument(routes: bool) -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    timed(Scheduler, "schedule", "vLLM Scheduler.schedule")
+    timed(Scheduler, "update_from_output", "vLLM Scheduler.update_from_output")
+    timed(CPUWorker, "execute_model", "vLLM CPUWorker.execute_model (forward)")
+    timed(CPUWorker, "sample_tokens", "vLLM CPUWorker.sample_tokens")
+    if not routes:
+        return
+    from auxout.integrations.vllm import capture, scheduler, worker
+    from auxout.worker_connector import WorkerConnector
+
+    timed(worker.AuxoutWorkerMixin, "execute_model", "auxout execute_model wrapper (total)")
+    timed(worker.AuxoutWorkerMixin, "sample_tokens", "auxout sample_tokens wrapper (total)")
+    timed(worker.AuxoutWorkerMixin, "_auxout_commit", "auxout _auxout_commit")
+    for name in ("begin_step", "prepare_output", "process_output"):
+        timed(WorkerConnector, name, f"auxout WorkerConnector.{name}")
+    timed(capture.RouteCapture, "_capture", "auxout RouteCapture._capture (per MoE layer, in the forward)")
+    timed(capture.RouteCapture, "snapshot", "auxout RouteCapture.snapshot")
+    for name in ("build_connector_meta", "take_output", "hold_uncollected"):
+        timed(scheduler.SchedulerBridge, name, f"auxout SchedulerBridge.{name}")
+
+
+def run(args: argparse.Namespace, routes: bool) -> None:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    import numpy as np
+    from vllm import LLM, SamplingParams
+
+    from auxout.models import build_tiny_moe
+    from auxout.vllm import engine_kwargs
+
+    instrument(routes)
+    extra = engine_kwargs() if routes else {"enable_prefix_caching": True}
+    llm = LLM(
+        model=build_tiny_moe(args.arch), skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+        block_size=32, max_model_len=2048, seed=0, max_num_seqs=args.batch, disable_log_stats=True,
+        distributed_executor_backend="uni", **extra,
+    )  # fmt: skip
+    params = SamplingParams(max_tokens=args.gen, temperature=0.0, ignore_eos=True, detokenize=False)
+
+    def one(rep: int) -> float:
+        rng = np.random.default_rng(1000 + rep)  # fresh prompts: no prefix hits across runs
+        prompts = [{"prompt_token_ids": rng.integers(3, 1000, size=args.prompt).tolist()} for _ in range(args.batch)]
+        t0 = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - t0
+
+    one(-1)  # warm-up
+    TIMES.clear()
+    walls = [one(rep) for rep in range(args.runs)]
+    steps = len(TIMES["vLLM Scheduler.schedule"])
+    print(
+        f"\n== routes {'on' if routes else 'off'}: {args.runs} runs of {args.batch} requests x "
+        f"{args.prompt} prompt + {args.gen} generated tokens; {steps // args.runs} steps per run, "
+        f"run median {statistics.median(walls) * 1e3:.0f} ms ({statistics.median(walls) / (steps / args.runs) * 1e6:.0f} us/step)"
+    )
+    print(f"  {'us/step':>9} {'calls/step':>10} {'median call':>12} {'worst call':>11}  hook")
+    for label, ts in sorted(TIMES.items(), key=lambda kv: -sum(kv[1])):
+        print(
+            f"  {sum(ts) / steps * 1e6:9.1f} {len(ts) / steps:10.2f} {statistics.median(ts) * 1e6:10.1f}us "
+            f"{max(ts) * 1e6:9.0f}us  {label}"
+        )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("--arch", default="qwen3_moe")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--only", choices=("on", "off"))
+    args = ap.parse_args()
+    if args.only:
+        run(args, args.only == "on")
+        return 0
+    for side in ("on", "off"):  # one engine per process
+        cmd = [sys.executable, __file__, "--only", side] + [
+            f"--{k}={v}" for k, v in vars(args).items() if k != "only"
+        ]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        report = done.stdout[done.stdout.find("\n== routes") :] if "\n== routes" in done.stdout else done.stdout
+        print(report.rstrip() if done.returncode == 0 else f"routes {side} failed:\n{done.stderr[-3000:]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
