@@ -107,46 +107,56 @@ class ChainKeys:
     Reusing them skips deriving them again, and the store's dictionaries then meet the same
     string objects (hash cached, compared by identity). A key is a function of its hash bytes
     alone, and reuse is decided by comparing those bytes, so a reused key is always its hash's
-    key. Entries are keyed by a chain's first hash, least recently used out first.
+    key. Entries are keyed by a chain's first hash, least recently used out first, within
+    ``capacity`` chains and ``max_keys`` keys in all (the strings of evicted routes stay alive
+    while remembered: 65,536 keys are about 9 MB).
     """
 
-    def __init__(self, keyspace: KeySpace, capacity: int) -> None:
+    def __init__(self, keyspace: KeySpace, capacity: int, max_keys: int = 1 << 16) -> None:
         self.keyspace = keyspace
         self.capacity = capacity
+        self.max_keys = max_keys
         self.generation = 0
         self._chains: OrderedDict[bytes, tuple[bytes, int, list[str]]] = OrderedDict()
+        self._num_keys = 0
 
     def remember(self, data: bytes, item_size: int, keys: list[str], generation: int) -> None:
         """The chain ``data`` (hashes of ``item_size`` bytes) has ``keys``, under ``generation``."""
         if generation != self.generation:
             self._chains.clear()
+            self._num_keys = 0
             self.generation = generation
-        if len(keys) < _REUSE_MIN or len(data) != len(keys) * item_size:
+        if not _REUSE_MIN <= len(keys) <= self.max_keys or len(data) != len(keys) * item_size:
             return
+        chains = self._chains
         head = data[:item_size]
-        self._chains[head] = (data, item_size, keys)
-        self._chains.move_to_end(head)
-        if len(self._chains) > self.capacity:
-            self._chains.popitem(last=False)
+        old = chains.pop(head, None)
+        if old is not None:
+            self._num_keys -= len(old[2])
+        chains[head] = (data, item_size, keys)
+        self._num_keys += len(keys)
+        while len(chains) > self.capacity or self._num_keys > self.max_keys:
+            self._num_keys -= len(chains.popitem(last=False)[1][2])
 
     def keys_batch(self, packs: Sequence[PackedHashes], generation: int) -> list[list[str]]:
         """``KeySpace.keys_batch``, with the leading keys of a remembered chain reused."""
         if generation != self.generation:
             self._chains.clear()
+            self._num_keys = 0
             self.generation = generation
-        if not self._chains:
+        chains = self._chains
+        found = [chains.get(p.data[: p.item_size]) for p in packs] if chains else []
+        if found.count(None) == len(found):  # (a new conversation, a decode step's hashes)
             return self.keyspace.keys_batch(packs, generation)
         reused: list[list[str]] = []
         rest: list[PackedHashes] = []
-        for p in packs:
-            head = p.data[: p.item_size]
-            chain = self._chains.get(head) if len(p) >= _REUSE_MIN else None
+        for p, chain in zip(packs, found):
             n = _shared_prefix(p, chain)
             if chain is None or not n:
                 reused.append([])
                 rest.append(p)
                 continue
-            self._chains.move_to_end(head)
+            chains.move_to_end(p.data[: p.item_size])
             reused.append(chain[2][:n])
             rest.append(PackedHashes(p.data[n * p.item_size :], p.item_size))
         todo = [i for i, p in enumerate(rest) if p.data]

@@ -333,9 +333,10 @@ class WorkerConnector:
     def _remember_chain(self, s: int) -> None:
         """Offer a finished request's keys for reuse: a next turn re-sends this history."""
         chain = self._hashes[s]
-        if chain and len({p.item_size for p in chain}) == 1:
-            data = chain[0].data if len(chain) == 1 else b"".join([p.data for p in chain])
-            self._chains.remember(data, chain[0].item_size, self._keys[s], self.generation)
+        if len(chain) == 1:
+            self._chains.remember(chain[0].data, chain[0].item_size, self._keys[s], self.generation)
+        elif chain and all(p.item_size == chain[0].item_size for p in chain):
+            self._chains.remember(b"".join([p.data for p in chain]), chain[0].item_size, self._keys[s], self.generation)
 
     def _add_keys(self, s: int, keys: list[str], retain: list[str], release: list[str]) -> None:
         self._keys[s].extend(keys)

@@ -59,12 +59,13 @@ def test_invalid_namespaces_are_rejected(namespace: str) -> None:
         max_size=12,
     ),
     capacity=st.integers(1, 4),
+    max_keys=st.integers(_REUSE_MIN, 80),
 )
-def test_chain_keys_equal_derived_keys(ops: list, capacity: int) -> None:
+def test_chain_keys_equal_derived_keys(ops: list, capacity: int, max_keys: int) -> None:
     """Whatever was remembered (shared prefixes, diverging chains, evicted entries, another
-    generation), the keys handed out are exactly the derived ones."""
+    generation), the keys handed out are exactly the derived ones, within both bounds."""
     ks = KeySpace("ns")
-    chains = ChainKeys(ks, capacity)
+    chains = ChainKeys(ks, capacity, max_keys)
     trunks = [[bytes([t, i]) * 16 for i in range(40)] for t in range(4)]
     for remember, trunk, shared, own, generation in ops:
         hashes = trunks[trunk][:shared] + [bytes([200, b]) * 16 for b in own]
@@ -75,6 +76,8 @@ def test_chain_keys_equal_derived_keys(ops: list, capacity: int) -> None:
         assert got == ks.keys_batch([pack, PackedHashes.pack(hashes[:1])], generation)
         if remember:
             chains.remember(pack.data, 32, got[0], generation)
+        held = list(chains._chains.values())
+        assert len(held) <= capacity and chains._num_keys == sum(len(c[2]) for c in held) <= max_keys
 
 
 def test_a_next_turn_reuses_the_key_objects_of_the_previous_one() -> None:
