@@ -120,12 +120,16 @@ class ChainKeys:
         self._chains: OrderedDict[bytes, tuple[bytes, int, list[str]]] = OrderedDict()
         self._num_keys = 0
 
-    def remember(self, data: bytes, item_size: int, keys: list[str], generation: int) -> None:
-        """The chain ``data`` (hashes of ``item_size`` bytes) has ``keys``, under ``generation``."""
+    def _enter(self, generation: int) -> None:
+        """Forget every chain when the generation moves: keys name their generation."""
         if generation != self.generation:
             self._chains.clear()
             self._num_keys = 0
             self.generation = generation
+
+    def remember(self, data: bytes, item_size: int, keys: list[str], generation: int) -> None:
+        """The chain ``data`` (hashes of ``item_size`` bytes) has ``keys``, under ``generation``."""
+        self._enter(generation)
         if not _REUSE_MIN <= len(keys) <= self.max_keys or len(data) != len(keys) * item_size:
             return
         chains = self._chains
@@ -140,10 +144,7 @@ class ChainKeys:
 
     def keys_batch(self, packs: Sequence[PackedHashes], generation: int) -> list[list[str]]:
         """``KeySpace.keys_batch``, with the leading keys of a remembered chain reused."""
-        if generation != self.generation:
-            self._chains.clear()
-            self._num_keys = 0
-            self.generation = generation
+        self._enter(generation)
         chains = self._chains
         found = [chains.get(p.data[: p.item_size]) for p in packs] if chains else []
         if found.count(None) == len(found):  # (a new conversation, a decode step's hashes)
