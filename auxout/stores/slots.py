@@ -165,11 +165,16 @@ class SlotIndex:
         Same semantics as ``_change_ref`` per key. A new turn of a long conversation retains (and
         later releases) its whole history, one key per block, and a prefill step hundreds of new
         blocks: the common batch (keys new to ``refs``, or each released by its last holder, no
-        key twice) runs through ``map``/``update`` in C; anything else takes the per-key loop.
+        key twice) runs through ``map``/``update`` in C, after the pairs a next turn brings (its
+        history retained as the previous turn releases it) cancel out; anything else takes the
+        per-key loop.
         """
         refs = self.refs
         get = refs.get
         retain = list(retain)
+        release = list(release)
+        if retain and release:
+            retain, release = _cancel_pairs(refs, retain, release)
         if retain:
             once = dict.fromkeys(retain, 1)
             if len(once) == len(retain) and refs.keys().isdisjoint(once):
@@ -177,7 +182,6 @@ class SlotIndex:
             else:
                 for key in retain:
                     refs[key] = get(key, 0) + 1
-        release = list(release)
         if not release:
             return []
         if list(map(get, release)).count(1) == len(release) and len(set(release)) == len(release):
@@ -283,6 +287,24 @@ class SlotIndex:
         if self.policy is not None:
             self.policy.on_remove(victims, "eviction")
         return freed
+
+
+def _cancel_pairs(refs: dict[str, int], retain: list[str], release: list[str]) -> tuple[list[str], list[str]]:
+    """Drop keys both retained and released in one batch when that changes nothing observable.
+
+    A conversation's next turn pins the history its previous turn releases in the same step:
+    thousands of keys whose counts go +1 then -1. For a key already referenced that is a no-op
+    (it stays referenced, so it is neither terminal nor moved in the LRU order), and without the
+    pairs both lists take the fast paths of ``_apply_refs``. Keys repeated within a list, or a
+    pair on an unreferenced key (retain then release makes it terminal), keep the lists as given.
+    """
+    once = dict.fromkeys(retain)
+    both = once.keys() & release  # (set operations and filterfalse run in C)
+    if not both or len(once) != len(retain) or len(set(release)) != len(release):
+        return retain, release
+    if not all(map(refs.__contains__, both)):
+        return retain, release
+    return list(filterfalse(both.__contains__, retain)), list(filterfalse(both.__contains__, release))
 
 
 def write_slots(
