@@ -170,7 +170,6 @@ class WorkerConnector:
         self._capture = np.full(n, -1, dtype=_I64)  # next position expected from capture; -1 = none yet
         self._sched = np.zeros(n, dtype=_I64)  # end of the last executed (scheduled) range
         self._emit = np.zeros(n, dtype=_I64)  # first position not emitted yet
-        self._inflight = np.zeros(n, dtype=_I64)  # unprocessed step outputs covering the slot
         self._tail = np.full(n, -1, dtype=_I64)  # pool slot of the incomplete tail block
         self._nkeys = np.zeros(n, dtype=_I64)  # len(self._keys[s])
         self._pinned = np.zeros(n, dtype=_I64)  # leading keys this slot holds a store reference on
@@ -184,7 +183,7 @@ class WorkerConnector:
         old = len(self._capture)
         n = old * 2
         for name, fill in (
-            ("_capture", -1), ("_sched", 0), ("_emit", 0), ("_inflight", 0), ("_tail", -1), ("_nkeys", 0), ("_pinned", 0)
+            ("_capture", -1), ("_sched", 0), ("_emit", 0), ("_tail", -1), ("_nkeys", 0), ("_pinned", 0)
         ):
             arr = getattr(self, name)
             new = np.full(n, fill, dtype=arr.dtype)
@@ -203,7 +202,6 @@ class WorkerConnector:
         self._capture[s] = -1
         self._sched[s] = 0
         self._emit[s] = emit_start
-        self._inflight[s] = 0
         self._tail[s] = -1
         self._nkeys[s] = 0
         self._pinned[s] = 0
@@ -251,9 +249,7 @@ class WorkerConnector:
             # A reset with steps in flight (async scheduling): the engine drops their outputs
             # (the requests were preempted), so they are voided here: nothing of theirs is
             # published or emitted, and they no longer hold the slots being torn down.
-            for p in self._pending_steps:
-                self._inflight[p.slots] = 0
-                self._void_seqs.add(p.seq)
+            self._void_seqs.update(p.seq for p in self._pending_steps)
             # (requests that finished with an output in flight too: their teardown waited for it)
             release = self._teardown(list(self._slot_of.values()) + sorted(self._awaiting))
             self._slot_of.clear()
@@ -278,7 +274,7 @@ class WorkerConnector:
             self._remember_chain(s)
             if self._staged[s]:
                 keyed.append(s)
-            if self._inflight[s] == 0:
+            if not self._busy(s):
                 done.append(s)
             else:
                 self._awaiting.add(s)
@@ -290,7 +286,8 @@ class WorkerConnector:
             all_old = np.count_nonzero(old) == len(old)
             ks, ss = (known, starts) if all_old else (known[old], starts[old])
             if np.count_nonzero(ss > self._emit[ks]):  # ahead of the worker, unless output is in flight
-                ahead = (self._inflight[ks] == 0) & (ss > self._emit[ks])
+                idle = np.array([not self._busy(s) for s in ks.tolist()], dtype=bool)
+                ahead = idle & (ss > self._emit[ks])
                 if np.count_nonzero(ahead):
                     i = int(np.flatnonzero(old)[np.argmax(ahead)])
                     rid = list(reqs)[i]
@@ -329,6 +326,15 @@ class WorkerConnector:
             self._put(objects, retain, release)
         if pool_slots:
             self.pool.free(pool_slots)
+
+    def _busy(self, s: int) -> bool:
+        """Whether a prepared step whose output is not processed yet (and not voided) covers slot ``s``.
+
+        Asked only at terminal events and the rare checks around them: counting per step would
+        cost a gather, an add and a scatter on every prepare and every process.
+        """
+        void = self._void_seqs
+        return any(p.seq not in void and s in p.slots.tolist() for p in self._pending_steps)
 
     def _remember_chain(self, s: int) -> None:
         """Offer a finished request's keys for reuse: a next turn re-sends this history."""
@@ -427,7 +433,6 @@ class WorkerConnector:
             raise InvariantError(f"request {exc.args[0]!r} executed but was never announced in metadata") from None
         if not rows.flags.c_contiguous:
             rows = np.ascontiguousarray(rows)
-        self._inflight[slots] += 1
         step = PendingStep(self._seq, list(req_ids), slots, ts, qsl, rows)
         self._seq += 1
         self._pending_steps.append(step)
@@ -454,32 +459,31 @@ class WorkerConnector:
                 published=published, lost=lost,
             )  # fmt: skip
         try:
-            sampled = np.asarray(num_sampled, dtype=_I64)[:n]
-            rejected = np.zeros(n, dtype=_I64) if num_rejected is None else np.asarray(num_rejected, dtype=_I64)[:n]
-            if len(sampled) != n or len(rejected) != n:
+            if len(num_sampled) < n or (num_rejected is not None and len(num_rejected) < n):
                 raise InvariantError(f"step of {n} requests needs {n} sampled and rejected counts")
-            return self._commit(pending, sampled, rejected)
+            # (rows are kept as captured, sampled or not: only the rejected counts matter here)
+            rejected = None if num_rejected is None else np.asarray(num_rejected, dtype=_I64)[:n]
+            return self._commit(pending, rejected)
         finally:
             self._pending_steps.pop(0)
-            slots = pending.slots
-            inflight = self._inflight
-            inflight[slots] -= 1
             awaiting = self._awaiting
             if awaiting:  # finished requests this was the last output of
-                done = [s for s in slots.tolist() if s in awaiting and inflight[s] == 0]
+                done = [s for s in pending.slots.tolist() if s in awaiting and not self._busy(s)]
                 if done:
                     self._put([], (), self._teardown(done))
 
     # -- the heart of the data plane ----------------------------------------------------------
-    def _commit(self, p: PendingStep, sampled: np.ndarray, rejected: np.ndarray) -> StepOutput:
+    def _commit(self, p: PendingStep, rejected: np.ndarray | None) -> StepOutput:
         bs = self.block_size
         slots, rows, ts = p.slots, p.rows, p.token_starts
         qs, qe = p.query_start_loc[:-1], p.query_start_loc[1:]
         n_exec = qe - qs
-        if not np.count_nonzero(rejected) and np.count_nonzero(n_exec == 1) == len(n_exec):
+        if (rejected is None or not np.count_nonzero(rejected)) and np.count_nonzero(n_exec == 1) == len(n_exec):
             out = self._commit_decode(p)  # (one row each, none rejected: nothing for _check_rows to find)
             if out is not None:
                 return out
+        if rejected is None:
+            rejected = np.zeros(len(slots), dtype=_I64)
         self._check_rows(p, n_exec, rejected)
         kept = n_exec - rejected
 
@@ -633,21 +637,23 @@ class WorkerConnector:
         if np.count_nonzero(self._capture[slots] != ts):  # first capture, or re-attaching a draft gap
             return None
         emit = self._emit[slots]
-        if np.count_nonzero(emit < ts):  # rows before this step must come from the store
+        all_emit = np.count_nonzero(emit == ts) == n  # (the usual step: then none is behind)
+        if not all_emit and np.count_nonzero(emit < ts):  # rows before this step must come from the store
             return None
         q0 = int(p.query_start_loc[0])
         end = ts + 1
         pos = ts % bs
         old_tail = self._tail[slots]
         opening = pos == 0
-        if np.count_nonzero(~opening & (old_tail < 0)):
+        if np.count_nonzero((old_tail < 0) > opening):  # (bool > bool: no tail where no block opens)
             raise InvariantError("open tail block lost its staging slot")
         n_open = int(np.count_nonzero(opening))
         tail = old_tail.copy()
         if n_open:
             tail[opening] = self.pool.alloc(n_open)
-        self.pool.token_rows[tail * bs + pos] = rows.reshape(len(rows), -1)[q0 : q0 + n]
-        done = np.flatnonzero(pos == bs - 1)
+        self.pool.blocks[tail, pos] = rows[q0 : q0 + n]  # (two index arrays: no flat index to compute)
+        fills = pos == bs - 1
+        done = np.flatnonzero(fills) if np.count_nonzero(fills) else ()
         self._capture[slots] = end
         self._sched[slots] = end
 
@@ -672,9 +678,9 @@ class WorkerConnector:
         self._publish(None, pool_keys, pool_pub, retain, release)
 
         qs = p.query_start_loc[:n]
-        if np.count_nonzero(emit == ts) == n:  # every request emits its one row (emit <= end)
-            lo = qs.copy()
-            hi = qs + 1
+        if all_emit:  # every request emits its one row (emit <= end)
+            lo = qs
+            hi = p.query_start_loc[1 : n + 1]  # (one row each: qs + 1; the pending step is dropped after)
             self._emit[slots] = end
         else:
             do_emit = emit <= end
@@ -682,7 +688,7 @@ class WorkerConnector:
             hi = np.where(do_emit, qs + 1, -1)
             self._emit[slots[do_emit]] = end[do_emit]
         published, lost = self._route_events()
-        return StepOutput(list(p.req_ids), emit, lo, hi, rows, {}, self._no_rows, published, lost)
+        return StepOutput(p.req_ids, emit, lo, hi, rows, {}, self._no_rows, published, lost)  # (req_ids: our copy)
 
     def _pins_after_capture(self, slots: np.ndarray) -> tuple[list[str], list[str]]:
         """Retain/release lists for slots whose capture cursor just moved (already stored in ``_capture``)."""

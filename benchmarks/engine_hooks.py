@@ -9,6 +9,7 @@ the ``uni`` executor), so every hook runs where it is timed. Prints microseconds
 
     python benchmarks/engine_hooks.py              # tiny qwen3_moe, routes on, then a routes-off engine
     python benchmarks/engine_hooks.py --only on
+    python benchmarks/engine_hooks.py --size realistic --gen 64 --runs 3   # 16 layers, 64 experts
 
 The routes-off engine runs in a fresh process (one engine per process keeps each step's memory
 and threads as in a real server); its forward time varies by ±20% between runs on a shared
@@ -62,7 +63,8 @@ def instrument(routes: bool) -> None:
     timed(worker.AuxoutWorkerMixin, "_auxout_commit", "auxout _auxout_commit")
     for name in ("begin_step", "prepare_output", "process_output"):
         timed(WorkerConnector, name, f"auxout WorkerConnector.{name}")
-    timed(capture.RouteCapture, "_capture", "auxout RouteCapture._capture (per MoE layer, in the forward)")
+    timed(capture.RouteCapture, "_capture", "auxout RouteCapture._capture (device path: per MoE layer, in the forward)")
+    timed(capture.RouteCapture, "_copy_held", "auxout RouteCapture._copy_held (host path: every layer, in snapshot)")
     timed(capture.RouteCapture, "snapshot", "auxout RouteCapture.snapshot")
     for name in ("build_connector_meta", "take_output", "hold_uncollected"):
         timed(scheduler.SchedulerBridge, name, f"auxout SchedulerBridge.{name}")
@@ -74,13 +76,13 @@ def run(args: argparse.Namespace, routes: bool) -> None:
     import numpy as np
     from vllm import LLM, SamplingParams
 
-    from auxout.models import build_tiny_moe
+    from auxout.models import build_sized_moe, build_tiny_moe
     from auxout.vllm import engine_kwargs
 
     instrument(routes)
     extra = engine_kwargs() if routes else {"enable_prefix_caching": True}
     llm = LLM(
-        model=build_tiny_moe(args.arch), skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+        model=build_tiny_moe(args.arch) if args.size == "tiny" else build_sized_moe(args.size), skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
         block_size=32, max_model_len=2048, seed=0, max_num_seqs=args.batch, disable_log_stats=True,
         distributed_executor_backend="uni", **extra,
     )  # fmt: skip
@@ -113,6 +115,7 @@ def run(args: argparse.Namespace, routes: bool) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--arch", default="qwen3_moe")
+    ap.add_argument("--size", default="tiny", help="tiny, or a preset of auxout.models.SIZES (qwen3_moe)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--gen", type=int, default=128)

@@ -3,9 +3,15 @@
 vLLM's routers call ``capture_fn(topk_ids)`` with logical (pre-EPLB) ids once per MoE layer
 per forward. Rows land in a preallocated ``[max_tokens, num_moe_layers, top_k]`` buffer indexed
 by MoE layer *order* (dense layers are skipped), already narrowed to the profile dtype, so a
-step's snapshot is one contiguous copy. On CPU the buffer is a numpy array (a numpy assignment
-costs a few microseconds, a small strided torch ``copy_`` several times that); on accelerators
-it is a device tensor, so capture never synchronizes with the host.
+step's snapshot is one contiguous copy. On accelerators the buffer is a device tensor, so
+capture never synchronizes with the host. On CPU it is a numpy array, and a router's call only
+keeps its ids tensor (``held[column] = topk_ids``, no Python frame at all); the snapshot copies
+every layer's ids in one loop. A layer's forward streams its weights through the caches, so a
+copy made inside the forward runs cold: measured about 60 us per layer in a realistic engine
+against 4 us warm, which made capture the largest of auxout's per-step costs
+(docs/performance.md). Holding the tensor is safe because the router makes a new ids tensor per
+call and nothing writes to it in place (the EPLB remap and the dtype narrowing both copy); the
+bit-for-bit oracle tests check exactly this.
 
 With routing weights on (``RouteProfile.weights``), each router instance's ``select_experts``
 (vLLM's public routing call, which returns the ``(topk_weights, topk_ids)`` the experts combine
@@ -100,6 +106,7 @@ class RouteCapture:
             )
         self._routers: list[Any] = []
         self.columns: list[int] = []  # model-order MoE column of each bound router
+        self._held: list[torch.Tensor | None] = [None] * profile.num_layers  # host ids not copied yet
         self._unweighted = 0  # id captures not (yet) followed by their weights: must be 0 at snapshot
 
     def bind(self, routers: list[Any], columns: list[int] | None = None) -> None:
@@ -119,6 +126,8 @@ class RouteCapture:
             if self.profile.weights:
                 router.set_capture_fn(partial(self._capture_ids, column))
                 _wrap_select_experts(router, partial(self._capture_weights, column))
+            elif self.on_host:  # (a C-level setitem: the copy waits for the snapshot)
+                router.set_capture_fn(partial(self._held.__setitem__, column))
             else:
                 router.set_capture_fn(partial(self._capture, column))
         self._routers = routers
@@ -126,6 +135,7 @@ class RouteCapture:
 
     def rows_bytes(self, num_rows: int) -> torch.Tensor:
         """This step's first ``num_rows`` rows as ``[n, L*k*itemsize]`` uint8 (a view: PP send)."""
+        self._copy_held()
         rows = self.buffer[:num_rows]
         return rows.reshape(num_rows, -1).view(torch.uint8)
 
@@ -137,9 +147,11 @@ class RouteCapture:
                 f"received PP capture rows {tuple(data.shape)} {data.dtype}, expected at most "
                 f"({self.max_tokens}, {self.profile.token_nbytes}) uint8"
             )
+        self._copy_held()
         self.buffer[:n].reshape(n, -1).view(torch.uint8).copy_(data)
 
     def unbind(self) -> None:
+        self._held[:] = [None] * len(self._held)
         for router in self._routers:
             router.set_capture_fn(None)
             if "select_experts" in vars(router):  # our per-instance wrapper: the class method again
@@ -147,12 +159,21 @@ class RouteCapture:
         self._routers = []
         self.columns = []
 
+    def _copy_held(self) -> None:
+        """Copy the ids the host path's routers left since the last copy into the buffer."""
+        held = self._held
+        if not any(t is not None for t in held):
+            return
+        pending = list(enumerate(held))
+        held[:] = [None] * len(held)  # (cleared first: a bad call must not stay behind for the next step)
+        for layer, topk_ids in pending:
+            if topk_ids is not None:
+                self.host_buffer[: self._rows(layer, topk_ids), layer] = topk_ids.numpy()
+
     def _capture(self, layer: int, topk_ids: torch.Tensor) -> None:
+        """Device path: copy in the forward (CUDA graphs replay the copy; nothing is held)."""
         n = self._rows(layer, topk_ids)
-        if self.on_host:
-            self.host_buffer[:n, layer] = topk_ids.numpy()
-        else:
-            self.buffer[:n, layer].copy_(topk_ids)
+        self.buffer[:n, layer].copy_(topk_ids)
 
     def _capture_ids(self, layer: int, topk_ids: torch.Tensor) -> None:
         """:meth:`_capture` with routing weights on: the ids go into the slots' id field."""
@@ -186,6 +207,7 @@ class RouteCapture:
 
     def snapshot(self, num_rows: int) -> np.ndarray:
         """A new host array with this step's first ``num_rows`` rows (the buffer is reused next step)."""
+        self._copy_held()
         if not 0 <= num_rows <= self.max_tokens:
             raise InvariantError(f"snapshot of {num_rows} rows exceeds capture buffer of {self.max_tokens}")
         if self._unweighted:
