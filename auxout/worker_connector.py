@@ -20,7 +20,6 @@ new slot; the in-flight step still refers to the old one.
 
 from __future__ import annotations
 
-import operator
 import sys
 import threading
 from collections.abc import Sequence
@@ -108,8 +107,6 @@ class _BufferRecycler:
 
 class WorkerConnector:
     """Data plane of one engine (on the output rank only)."""
-
-    few_requests = 32  # decode batches up to this size take the per-element path (_commit_decode_few)
 
     def __init__(
         self,
@@ -482,8 +479,7 @@ class WorkerConnector:
         if rejected is None or not np.count_nonzero(rejected):
             q = p.query_start_loc.tolist()
             if q == list(range(q[0], q[0] + len(q))):  # one row each, none rejected: nothing for _check_rows
-                few = len(q) - 1 <= self.few_requests
-                out = self._commit_decode_few(p, q) if few else self._commit_decode(p)
+                out = self._commit_decode(p)
                 if out is not None:
                     return out
         if rejected is None:
@@ -695,75 +691,6 @@ class WorkerConnector:
             self._emit[slots[do_emit]] = end[do_emit]
         published, lost = self._route_events()
         return StepOutput(p.req_ids, emit, lo, hi, rows, {}, self._no_rows, published, lost)  # (req_ids: our copy)
-
-    def _commit_decode_few(self, p: PendingStep, qsl: list[int]) -> StepOutput | None:
-        """``_commit_decode`` for a batch of at most ``few_requests``, element by element in Python.
-
-        An engine with a small batch runs this right after sampling, with the caches cold from
-        the forward: there each numpy call costs several microseconds (its dispatch code is paged
-        back in), and list operations over a few elements cost less than one such call
-        (measured: docs/performance.md). Same checks and effects as ``_commit_decode``, which a
-        test runs on the same steps; ``qsl`` is the step's query start offsets as a list.
-        """
-        bs = self.block_size
-        slots, rows = p.slots, p.rows
-        n = len(slots)
-        if bs == 1 or n == 0:
-            return None
-        ts = p.token_starts.tolist()
-        if self._capture[slots].tolist() != ts:  # first capture, or re-attaching a draft gap
-            return None
-        emit = self._emit[slots]
-        emits = emit.tolist()
-        all_emit = emits == ts  # (the usual step: then none is behind)
-        if not all_emit and any(map(operator.lt, emits, ts)):  # rows before this step come from the store
-            return None
-        tails = self._tail[slots].tolist()
-        pos = [t % bs for t in ts]
-        if min(tails) < 0:
-            if any(q and b < 0 for q, b in zip(pos, tails)):
-                raise InvariantError("open tail block lost its staging slot")
-            opening = [i for i, q in enumerate(pos) if not q]
-            for i, b in zip(opening, self.pool.alloc(len(opening)).tolist()):
-                tails[i] = b
-        q0 = qsl[0]
-        self.pool.blocks[tails, pos] = rows[q0 : q0 + n]
-        end = np.array([t + 1 for t in ts], dtype=_I64)
-        self._capture[slots] = end
-        self._sched[slots] = end
-
-        retain: list[str] = []
-        release: list[str] = []
-        pool_keys: list[str] = []
-        pool_pub: list[int] = []
-        done = [i for i, q in enumerate(pos) if q == bs - 1]
-        if done:  # pins follow the capture cursor: only a request that completed a block moves them
-            full = slots[done]
-            self._sync_pins(full, retain, release)
-            for i, s in zip(done, full.tolist()):
-                b = ts[i] // bs
-                block, tails[i] = tails[i], -1
-                keys = self._keys[s]
-                if b < len(keys):
-                    pool_keys.append(keys[b])
-                    pool_pub.append(block)
-                else:
-                    self._staged[s][b] = block  # its hash arrives with a later step
-        self._tail[slots] = tails
-        self._publish(None, pool_keys, pool_pub, retain, release)
-
-        if all_emit:  # every request emits its one row
-            lo, hi = p.query_start_loc[:n], p.query_start_loc[1 : n + 1]
-            self._emit[slots] = end
-        else:
-            do_emit = [i for i, (e, t) in enumerate(zip(emits, ts)) if e <= t + 1]
-            lo = np.full(n, -1, dtype=_I64)
-            hi = np.full(n, -1, dtype=_I64)
-            lo[do_emit] = [qsl[i] + emits[i] - ts[i] for i in do_emit]
-            hi[do_emit] = [qsl[i] + 1 for i in do_emit]
-            self._emit[slots[do_emit]] = end[do_emit]
-        published, lost = self._route_events()
-        return StepOutput(p.req_ids, emit, lo, hi, rows, {}, self._no_rows, published, lost)
 
     def _pins_after_capture(self, slots: np.ndarray) -> tuple[list[str], list[str]]:
         """Retain/release lists for slots whose capture cursor just moved (already stored in ``_capture``)."""

@@ -12,9 +12,6 @@ weights, the (id, weight) rows too).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import numpy as np
 from hypothesis import example, given
 from hypothesis import strategies as st
@@ -22,7 +19,6 @@ from hypothesis import strategies as st
 from auxout.manifest import fetch, fetch_rows
 from auxout.stores import ArenaStore, BlockStore
 from auxout.testing import FakeMoE, SimEngine, SimKVConnector, SimResult, oracle_routes
-from auxout.worker_connector import WorkerConnector
 
 MODELS = {
     "small": FakeMoE(num_layers=3, top_k=2, num_experts=8, vocab_size=50, seed=1),
@@ -91,20 +87,7 @@ def scenarios(draw: st.DrawFn) -> dict:
         keys_share=draw(st.sampled_from([0.0, 0.0, 0.5, 1.0])),
         store_size=draw(st.sampled_from(["roomy", "default", "tiny", "tiny"])),
         external=draw(st.sampled_from(["none", "none", "pd_shared", "pd_private", "offload"])),
-        # decode steps: per element in Python (small batches), or the numpy path (large ones)
-        few_requests=draw(st.sampled_from([0, 32])),
     )
-
-
-@contextmanager
-def decode_path(few_requests: int) -> Iterator[None]:
-    """Run with ``WorkerConnector.few_requests`` set: 0 sends every decode step to the numpy path."""
-    old = WorkerConnector.few_requests
-    WorkerConnector.few_requests = few_requests
-    try:
-        yield
-    finally:
-        WorkerConnector.few_requests = old
 
 
 def run_scenario(sc: dict) -> int:
@@ -206,8 +189,7 @@ REGRESSION_KEYS_LAST_BLOCK = {
 @given(scenarios())
 @example(REGRESSION_KEYS_LAST_BLOCK)
 def test_routes_match_full_forward_under_any_schedule(sc: dict) -> None:
-    with decode_path(sc.get("few_requests", WorkerConnector.few_requests)):
-        assert run_scenario(sc) > 0
+    assert run_scenario(sc) > 0
 
 
 def test_keys_manifest_falls_back_inline_when_the_store_cannot_hold_it() -> None:

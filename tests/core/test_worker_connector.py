@@ -11,8 +11,6 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import pytest
 from fake_requests import Req, h
-from hypothesis import given, settings
-from hypothesis import strategies as hs
 
 from auxout.errors import InvariantError, ObjectMissingError, PoolExhaustedError, RoutesUnavailableError
 from auxout.keys import KeySpace, PackedHashes
@@ -885,49 +883,3 @@ def test_generation_change_tears_down_requests_finished_with_output_in_flight() 
     t2 = oracle(6)  # and the slot is reusable
     out = run(w, meta({"b": 0}, {"b": [3]}, generation=1), [("b", 0, t2[:5])], [1])
     assert_emits(out, "b", 0, t2[:5])
-
-
-# == the two decode paths agree ======================================================================
-
-
-@settings(max_examples=80, deadline=None)
-@given(n_req=hs.integers(1, 6), steps=hs.integers(1, 14), data=hs.data())
-def test_decode_paths_agree_step_by_step(n_req: int, steps: int, data: hs.DataObject) -> None:
-    """``_commit_decode_few`` (per element, small batches) and ``_commit_decode`` (numpy) produce
-    the same outputs, store calls and per-slot state on the same steps: prompts ending anywhere in
-    a block, hashes that arrive late (blocks staged until keyed), emit cursors ahead of the rows
-    (a ``prompt_start`` past the prompt), and requests that sit out some steps."""
-    conns = []
-    for few in (0, 64):  # 0: every decode step takes the numpy path
-        w, spy = make(capacity=256, max_num_seqs=8, max_num_batched_tokens=64)
-        w.few_requests = few
-        conns.append((w, spy))
-    ids = range(n_req)
-    plen = [data.draw(hs.integers(1, 9)) for _ in ids]
-    start = [data.draw(hs.integers(0, p + 3)) for p in plen]  # past the prompt: nothing emitted at first
-    rows = [oracle(40 + i, 64) for i in ids]
-    pos, nhash = [0] * n_req, [0] * n_req
-    outs: list[list[tuple]] = [[], []]
-    for step in range(steps + 1):
-        live = list(ids) if step == 0 else [i for i in ids if data.draw(hs.booleans())] or [0]
-        count = {i: plen[i] if step == 0 else 1 for i in live}
-        hashes = {}
-        for i in live:  # hashes of full blocks, sometimes a step late
-            full = (pos[i] + count[i]) // BS
-            if full > nhash[i] and data.draw(hs.booleans()):
-                hashes[f"r{i}"] = PackedHashes.pack([h(1000 * i + b) for b in range(nhash[i], full)])
-                nhash[i] = full
-        # first step: each request's prompt_start; later: a cursor the worker is never behind
-        m = StepMetadata(0, {f"r{i}": start[i] if step == 0 else 0 for i in live}, hashes, ())
-        batch = [(f"r{i}", pos[i], rows[i][pos[i] : pos[i] + count[i]]) for i in live]
-        for k, (w, spy) in enumerate(conns):
-            out = run(w, m, batch, [1] * len(batch))
-            spans = {r: (t, out.slice(lo, hi).tobytes()) for r, (t, lo, hi) in out.span_map().items()}
-            outs[k].append((spans, out.published, spy.puts[-1] if spy.puts else None, len(spy.puts)))
-        for i in live:
-            pos[i] += count[i]
-    assert outs[0] == outs[1]
-    a, b = conns[0][0], conns[1][0]
-    for name in ("_capture", "_sched", "_emit", "_tail", "_nkeys", "_pinned"):
-        assert np.array_equal(getattr(a, name), getattr(b, name)), name
-    assert a._staged == b._staged and a.pool.num_free == b.pool.num_free
