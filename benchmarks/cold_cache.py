@@ -55,11 +55,15 @@ def median_us(fn: Callable[[], object], n: int, cold: bool, between: Callable[[]
     return statistics.median(times) * 1e6
 
 
-def capture_costs(n: int, cold: bool, layers: int = 16, tokens: int = 16) -> tuple[float, float]:
-    """(copy in the forward, hold and copy at the snapshot) per step, microseconds."""
+def capture_costs(n: int, cold: bool, layers: int = 16, tokens: int = 16, weights: bool = False) -> tuple[float, float]:
+    """(copy in the forward, hold and copy at the snapshot) per step, microseconds; with
+    ``weights`` each layer also copies its float32 routing weights (``routing_weights`` on)."""
     host = np.zeros((8192, layers, 8), dtype=np.uint8)
+    host_w = np.zeros((8192, layers, 8), dtype=np.float32)
     ids = [torch.randint(0, 64, (tokens, 8), dtype=torch.int32) for _ in range(layers)]
+    ws = [torch.rand(tokens, 8) for _ in range(layers)]
     held: list[torch.Tensor | None] = [None] * layers
+    held_w: list[torch.Tensor | None] = [None] * layers
 
     def in_forward() -> float:  # a layer's forward runs between two captures
         total = 0.0
@@ -68,6 +72,8 @@ def capture_costs(n: int, cold: bool, layers: int = 16, tokens: int = 16) -> tup
                 evict()
             t0 = time.perf_counter()
             host[:tokens, layer] = t.numpy()
+            if weights:
+                host_w[:tokens, layer] = ws[layer].float().numpy()
             total += time.perf_counter() - t0
         return total
 
@@ -78,6 +84,8 @@ def capture_costs(n: int, cold: bool, layers: int = 16, tokens: int = 16) -> tup
                 evict()
             t0 = time.perf_counter()
             held[layer] = t  # what the router's capture_fn does now (a C-level setitem)
+            if weights:
+                held_w[layer] = ws[layer]
             total += time.perf_counter() - t0
         if cold:
             evict()
@@ -86,6 +94,10 @@ def capture_costs(n: int, cold: bool, layers: int = 16, tokens: int = 16) -> tup
             if t is not None:
                 host[: t.shape[0], layer] = t.numpy()
                 held[layer] = None
+                w = held_w[layer]
+                if w is not None:
+                    host_w[: w.shape[0], layer] = w.float().numpy()
+                    held_w[layer] = None
         return total + time.perf_counter() - t0
 
     a = statistics.median(in_forward() for _ in range(n)) * 1e6
@@ -145,11 +157,12 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=200)
     args = ap.parse_args()
     print(f"median microseconds per engine step ({args.steps} steps); cold = caches evicted before the call")
-    for cold in (False, True):
-        tag = "cold" if cold else "warm"
-        fwd, snap = capture_costs(args.steps // 4, cold)
-        print(f"  capture, 16 layers x 16 tokens, {tag}: copy in the forward {fwd:7.1f}   hold, copy at snapshot "
-              f"{snap:7.1f}   ratio {snap / fwd:.2f}")
+    for weights in (False, True):
+        for cold in (False, True):
+            tag = ("cold" if cold else "warm") + (", ids + weights" if weights else "")
+            fwd, snap = capture_costs(args.steps // 4, cold, weights=weights)
+            print(f"  capture, 16 layers x 16 tokens, {tag}: copy in the forward {fwd:7.1f}   hold, copy at "
+                  f"snapshot {snap:7.1f}   ratio {snap / fwd:.2f}")
     warm, cold = decode_cost(args.steps, False), decode_cost(args.steps, True)
     print(f"  process_output, 16-request decode: warm {warm:7.1f}   cold {cold:7.1f}   ratio {cold / warm:.1f}")
     return 0

@@ -5,13 +5,15 @@ per forward. Rows land in a preallocated ``[max_tokens, num_moe_layers, top_k]``
 by MoE layer *order* (dense layers are skipped), already narrowed to the profile dtype, so a
 step's snapshot is one contiguous copy. On accelerators the buffer is a device tensor, so
 capture never synchronizes with the host. On CPU it is a numpy array, and a router's call only
-keeps its ids tensor (``held[column] = topk_ids``, no Python frame at all); the snapshot copies
-every layer's ids in one loop. A layer's forward streams its weights through the caches, so a
+keeps its ids tensor (``held[column] = topk_ids``, no Python frame at all; with routing weights
+the wrapped ``select_experts`` keeps its weights tensor the same way); the snapshot copies every
+layer's rows in one loop. A layer's forward streams its weights through the caches, so a
 copy made inside the forward runs cold: measured about 60 us per layer in a realistic engine
 against 4 us warm, which made capture the largest of auxout's per-step costs
 (docs/performance.md). Holding the tensor is safe because the router makes a new ids tensor per
-call and nothing writes to it in place (the EPLB remap and the dtype narrowing both copy); the
-bit-for-bit oracle tests check exactly this.
+call and nothing writes to it in place (the EPLB remap and the dtype narrowing both copy; routers
+scale or mask their weights before returning them); the bit-for-bit oracle tests check exactly
+this, for ids and weights.
 
 With routing weights on (``RouteProfile.weights``), each router instance's ``select_experts``
 (vLLM's public routing call, which returns the ``(topk_weights, topk_ids)`` the experts combine
@@ -32,6 +34,10 @@ from auxout.errors import InvariantError
 from auxout.profile import RouteProfile
 
 _TORCH_DTYPES = {np.dtype(np.uint8): torch.uint8, np.dtype(np.uint16): torch.uint16}
+_UNWEIGHTED = (
+    "routing weights were not captured for every routed layer this step: the router was called without "
+    "its select_experts (a code path auxout does not wrap)"
+)
 
 
 def find_moe_routers(model: torch.nn.Module) -> list[Any]:
@@ -107,6 +113,7 @@ class RouteCapture:
         self._routers: list[Any] = []
         self.columns: list[int] = []  # model-order MoE column of each bound router
         self._held: list[torch.Tensor | None] = [None] * profile.num_layers  # host ids not copied yet
+        self._held_w: list[torch.Tensor | None] = [None] * profile.num_layers  # and their weights
         self._unweighted = 0  # id captures not (yet) followed by their weights: must be 0 at snapshot
 
     def bind(self, routers: list[Any], columns: list[int] | None = None) -> None:
@@ -123,11 +130,13 @@ class RouteCapture:
         if any(not 0 <= c < self.profile.num_layers for c in columns):
             raise ValueError(f"columns {columns} out of range for {self.profile.num_layers} MoE layers")
         for column, router in zip(columns, routers):
-            if self.profile.weights:
+            if self.on_host:  # (C-level setitems: the copies wait for the snapshot)
+                router.set_capture_fn(partial(self._held.__setitem__, column))
+                if self.profile.weights:
+                    _wrap_select_experts(router, partial(self._held_w.__setitem__, column))
+            elif self.profile.weights:
                 router.set_capture_fn(partial(self._capture_ids, column))
                 _wrap_select_experts(router, partial(self._capture_weights, column))
-            elif self.on_host:  # (a C-level setitem: the copy waits for the snapshot)
-                router.set_capture_fn(partial(self._held.__setitem__, column))
             else:
                 router.set_capture_fn(partial(self._capture, column))
         self._routers = routers
@@ -152,6 +161,7 @@ class RouteCapture:
 
     def unbind(self) -> None:
         self._held[:] = [None] * len(self._held)
+        self._held_w[:] = [None] * len(self._held_w)
         for router in self._routers:
             router.set_capture_fn(None)
             if "select_experts" in vars(router):  # our per-instance wrapper: the class method again
@@ -160,15 +170,30 @@ class RouteCapture:
         self.columns = []
 
     def _copy_held(self) -> None:
-        """Copy the ids the host path's routers left since the last copy into the buffer."""
-        held = self._held
-        if not any(t is not None for t in held):
+        """Copy the ids (and weights) the host path's routers left since the last copy into the buffer."""
+        held, held_w = self._held, self._held_w
+        if not self.profile.weights:
+            if not any(t is not None for t in held):
+                return
+            pending = list(enumerate(held))
+            held[:] = [None] * len(held)  # (cleared first: a bad call must not stay behind for the next step)
+            for layer, topk_ids in pending:
+                if topk_ids is not None:
+                    self.host_buffer[: self._rows(layer, topk_ids), layer] = topk_ids.numpy()
             return
-        pending = list(enumerate(held))
-        held[:] = [None] * len(held)  # (cleared first: a bad call must not stay behind for the next step)
-        for layer, topk_ids in pending:
-            if topk_ids is not None:
-                self.host_buffer[: self._rows(layer, topk_ids), layer] = topk_ids.numpy()
+        if not any(t is not None for t in held) and not any(w is not None for w in held_w):
+            return
+        pairs = list(enumerate(zip(held, held_w)))
+        held[:] = [None] * len(held)
+        held_w[:] = [None] * len(held_w)
+        for layer, (topk_ids, topk_weights) in pairs:
+            if topk_ids is None and topk_weights is None:
+                continue
+            if topk_ids is None or topk_weights is None or len(topk_weights) != len(topk_ids):
+                raise InvariantError(_UNWEIGHTED)
+            n = self._rows(layer, topk_ids)
+            self._host_ids[:n, layer] = topk_ids.numpy()
+            self._host_w[:n, layer] = topk_weights.float().numpy()
 
     def _capture(self, layer: int, topk_ids: torch.Tensor) -> None:
         """Device path: copy in the forward (CUDA graphs replay the copy; nothing is held)."""
@@ -176,23 +201,17 @@ class RouteCapture:
         self.buffer[:n, layer].copy_(topk_ids)
 
     def _capture_ids(self, layer: int, topk_ids: torch.Tensor) -> None:
-        """:meth:`_capture` with routing weights on: the ids go into the slots' id field."""
+        """Device path with routing weights on: the ids go into the slots' id field."""
         n = self._rows(layer, topk_ids)
         self._unweighted += 1
-        if self.on_host:
-            self._host_ids[:n, layer] = topk_ids.numpy()
-        else:
-            ids = topk_ids.to(_TORCH_DTYPES[self.profile.id_dtype]).contiguous().view(torch.uint8)
-            self._slots(n, layer)[..., : self._id_size].copy_(ids.view(n, self.profile.top_k, self._id_size))
+        ids = topk_ids.to(_TORCH_DTYPES[self.profile.id_dtype]).contiguous().view(torch.uint8)
+        self._slots(n, layer)[..., : self._id_size].copy_(ids.view(n, self.profile.top_k, self._id_size))
 
     def _capture_weights(self, layer: int, topk_weights: torch.Tensor) -> None:
         n = self._rows(layer, topk_weights)
         self._unweighted -= 1
-        if self.on_host:
-            self._host_w[:n, layer] = topk_weights.float().numpy()
-        else:
-            w = topk_weights.to(torch.float32).contiguous().view(torch.uint8)
-            self._slots(n, layer)[..., self._id_size :].copy_(w.view(n, self.profile.top_k, 4))
+        w = topk_weights.to(torch.float32).contiguous().view(torch.uint8)
+        self._slots(n, layer)[..., self._id_size :].copy_(w.view(n, self.profile.top_k, 4))
 
     def _rows(self, layer: int, routed: torch.Tensor) -> int:
         """Rows one router call routed (its tokens), checked against the buffer."""
@@ -212,10 +231,7 @@ class RouteCapture:
             raise InvariantError(f"snapshot of {num_rows} rows exceeds capture buffer of {self.max_tokens}")
         if self._unweighted:
             self._unweighted = 0
-            raise InvariantError(
-                "routing weights were not captured for every routed layer this step: the router was "
-                "called without its select_experts (a code path auxout does not wrap)"
-            )
+            raise InvariantError(_UNWEIGHTED)
         if self.on_host:
             return self.host_buffer[:num_rows].copy()
         # copy=True: on a CPU device .cpu() would alias the buffer the next step overwrites
