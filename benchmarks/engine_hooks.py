@@ -81,8 +81,9 @@ def run(args: argparse.Namespace, routes: bool) -> None:
 
     instrument(routes)
     extra = engine_kwargs() if routes else {"enable_prefix_caching": True}
+    model = build_tiny_moe(args.arch) if args.size == "tiny" else build_sized_moe(args.size)
     llm = LLM(
-        model=build_tiny_moe(args.arch) if args.size == "tiny" else build_sized_moe(args.size), skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+        model=model, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
         block_size=32, max_model_len=2048, seed=0, max_num_seqs=args.batch, disable_log_stats=True,
         distributed_executor_backend="uni", **extra,
     )  # fmt: skip
