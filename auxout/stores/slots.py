@@ -131,10 +131,12 @@ class SlotIndex:
         return new, [views[k] for k in new], slots, freed
 
     def lookup(self, keys: Sequence[str]) -> list[int]:
-        """Slots of ``keys`` (touching them); ``ObjectMissingError`` naming every absent key.
+        """Slots of ``keys`` (touching them in the LRU order); ``ObjectMissingError`` naming every absent key.
 
         The per-key work runs in C (``map``): a multi-turn prefix read touches hundreds of keys;
-        the explanation of a miss is built only when there is one.
+        the explanation of a miss is built only when there is one. The touch is skipped when
+        every key is pinned (the worker's prefix reads): a referenced key's place in the order is
+        never observable, since it moves to the recent end when its last holder releases it.
         """
         lru = self.lru
         try:
@@ -148,7 +150,8 @@ class SlotIndex:
                 "engines recompute a prefix hit whose routes are gone; a keys-only manifest must be fetched "
                 "before later requests evict it (or raise max_bytes)",
             )
-        deque(map(lru.move_to_end, keys), 0)
+        if not all(map(self.refs.__contains__, keys)):  # (a pinned key's place is not observable)
+            deque(map(lru.move_to_end, keys), 0)
         return slots
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
