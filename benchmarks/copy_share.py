@@ -54,20 +54,15 @@ def _timed_write_slots(data: np.ndarray, slots: Any, payloads: Any, objects: Any
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=("decode", "prefill", "multi-turn"), action="append")
+    ap.add_argument("--only", choices=dp.WORKLOADS, action="append")
     ap.add_argument("--repeats", type=int, default=11)
     args = ap.parse_args()
     arena_mod.ArenaStore.read_into = _timed_read_into  # type: ignore[method-assign]
     arena_mod.write_slots = _timed_write_slots  # type: ignore[assignment]
     rng = np.random.default_rng(20261129)
-    builders = {
-        "decode": lambda: dp.decode_workload(rng, 192),  # (dataplane.py's sizes)
-        "prefill": lambda: dp.prefill_workload(rng, 48),
-        "multi-turn": lambda: dp.multiturn_workload(rng),
-    }
     print("auxout-sync replays; medians over repeats (the first, cold, run dropped)")
-    for name in args.only or list(builders):
-        wl = builders[name]()
+    for name in args.only or dp.WORKLOADS:
+        wl = dp.build_workload(name, rng)
         total, reads, writes = [], [], []
         nbytes = (0, 0)
         for rep in range(args.repeats + 1):

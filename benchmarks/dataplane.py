@@ -264,6 +264,21 @@ def multiturn_workload(
     return Workload("multi-turn", specs, steps, 0)
 
 
+WORKLOADS = ("decode", "prefill", "multi-turn")
+
+
+def build_workload(name: str, rng: np.random.Generator, *, quick: bool = False) -> Workload:
+    """One of ``WORKLOADS`` at this script's sizes (``quick``: the ~20 s sizes); the other
+    benchmarks that replay these workloads build them here, so their numbers compare."""
+    if name == "decode":
+        return decode_workload(rng, 48 if quick else 192)
+    if name == "prefill":
+        return prefill_workload(rng, 16 if quick else 48)
+    if name == "multi-turn":
+        return multiturn_workload(rng, n_conv=24 if quick else 64)
+    raise ValueError(f"unknown workload {name!r}; known: {WORKLOADS}")
+
+
 # -- replay -------------------------------------------------------------------------------------
 CLOCK: list[Callable[[], float]] = [time.perf_counter]
 """What ``replay`` times with; ``--thread-time`` swaps in the step thread's CPU time, for A/B runs of
@@ -614,7 +629,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes, ~20 s")
     ap.add_argument("--repeats", type=int, default=None, help="repeats per workload (median reported)")
     ap.add_argument("--no-vllm", action="store_true", help="skip the vLLM baseline")
-    ap.add_argument("--only", choices=("decode", "prefill", "multi-turn"), action="append")
+    ap.add_argument("--only", choices=WORKLOADS, action="append")
     ap.add_argument("--sync-store", action="store_true", help="also run auxout without the writer thread")
     ap.add_argument("--thread-time", action="store_true", help="time the step thread's CPU time, not wall time")
     args = ap.parse_args(argv)
@@ -636,17 +651,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         drivers.append(("vLLM", lambda: VllmDriver(mods)))
 
     rng = np.random.default_rng(20261129)
-    builders: dict[str, Callable[[], Workload]] = {
-        "decode": lambda: decode_workload(rng, 48 if args.quick else 192),
-        "prefill": lambda: prefill_workload(rng, 16 if args.quick else 48),
-        "multi-turn": lambda: multiturn_workload(rng, n_conv=24 if args.quick else 64),
-    }
     checks: list[tuple[str, bool]] = []
-    for name, build in builders.items():
+    for name in WORKLOADS:
         if args.only and name not in args.only:
             continue
         t = time.perf_counter()
-        wl = build()
+        wl = build_workload(name, rng, quick=args.quick)
         t_build = time.perf_counter() - t
         res = measure(wl, drivers, repeats)
         checks += report(wl, res)

@@ -15,7 +15,6 @@ still checked bit for bit against the rows fed in (first repeat).
 from __future__ import annotations
 
 import argparse
-import statistics
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -41,9 +40,8 @@ class FloorStore:
         assert isinstance(objects, BlockObjects) and objects.nbytes == self.object_nbytes, "worker batches only"
         keys = objects.keys
         assert self._slot.keys().isdisjoint(keys), "the floor store expects each block published once"
-        first = len(self._slot)
-        slots = np.arange(first, first + len(keys), dtype=np.int64)
-        self._slot.update(zip(keys, range(first, first + len(keys))))
+        slots = range(len(self._slot), len(self._slot) + len(keys))
+        self._slot.update(zip(keys, slots))
         write_slots(self._arena, slots, None, objects)
 
     def read_into(self, keys: Sequence[str], out: memoryview) -> None:
@@ -80,15 +78,10 @@ def floor_driver(num_slots: int) -> type[dp.AuxoutSyncDriver]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    ap.add_argument("--only", choices=("decode", "prefill", "multi-turn"), default="multi-turn")
+    ap.add_argument("--only", choices=dp.WORKLOADS, default="multi-turn")
     ap.add_argument("--repeats", type=int, default=11)
     args = ap.parse_args(argv)
-    rng = np.random.default_rng(20261129)
-    wl = {
-        "decode": lambda: dp.decode_workload(rng, 192),
-        "prefill": lambda: dp.prefill_workload(rng, 48),
-        "multi-turn": lambda: dp.multiturn_workload(rng, n_conv=64),
-    }[args.only]()
+    wl = dp.build_workload(args.only, np.random.default_rng(20261129))
     blocks = len({h for sp in wl.specs for h in sp.hashes})  # distinct keys: the floor store never evicts
     mods = dp.load_vllm()
     drivers: list[tuple[str, Callable[[], Any]]] = [
@@ -105,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  {name:<12} {m.median * 1e3:8.1f} ms [{min(m.times) * 1e3:.1f}..{max(m.times) * 1e3:.1f}]  {ok}{paired}")
     a, f = res["auxout-sync"], res["floor"]
     print(f"  store bookkeeping in the bare store's replay: {1 - f.median / a.median:.0%} "
-          f"(paired floor / auxout-sync {statistics.median(x / y for x, y in zip(f.times, a.times)):.3f})")
+          f"(paired floor / auxout-sync {dp._paired(f, a)})")
     return 1 if any(m.mismatches for m in res.values()) else 0
 
 
