@@ -37,7 +37,8 @@ class StepOutput:
     Request ``req_ids[i]`` emitted rows ``lo[i]:hi[i]`` of ``rows`` followed by ``extra``
     (``rows`` is the step's snapshot, never copied; ``extra`` holds rows assembled from before
     the step, e.g. a cached prefix) for positions starting at ``token_starts[i]``; ``lo[i] == -1``
-    means it emitted nothing this step. ``errors`` holds a message for requests whose routes
+    means it emitted nothing this step. A request in ``heads`` emitted ``extra[a:b]`` (its rows
+    from before the step) first, then its span: its own rows stay in the snapshot, uncopied. ``errors`` holds a message for requests whose routes
     could not be assembled (e.g. evicted prefix objects): the engine recomputes them.
     ``published``/``lost`` report the store keys written and lost (evicted, dropped, found
     missing) since the previous output, for the scheduler's ``RouteIndex``.
@@ -52,6 +53,7 @@ class StepOutput:
     extra: np.ndarray | None = None
     published: list[str] = field(default_factory=list)
     lost: list[str] = field(default_factory=list)
+    heads: dict[str, tuple[int, int]] = field(default_factory=dict)
     _spans: dict[str, tuple[int, int, int]] | None = None
 
     def span_map(self) -> dict[str, tuple[int, int, int]]:
@@ -71,9 +73,20 @@ class StepOutput:
         return self.span_map().get(request_id)
 
     def rows_for(self, request_id: str) -> tuple[int, np.ndarray] | None:
-        """``(token_start, rows)`` emitted for one request this step, or None."""
+        """``(token_start, rows)`` emitted for one request this step, or None (a head is joined on)."""
         sp = self.span(request_id)
-        return None if sp is None else (sp[0], self.slice(sp[1], sp[2]))
+        if sp is None:
+            return None
+        parts = self.parts(request_id, sp[1], sp[2])
+        return sp[0], parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def parts(self, request_id: str, lo: int, hi: int) -> list[np.ndarray]:
+        """The arrays holding a request's emitted rows: its head (if any), then ``slice(lo, hi)``."""
+        head = self.heads.get(request_id) if self.heads else None
+        if head is None:
+            return [self.slice(lo, hi)]
+        assert self.extra is not None
+        return [self.extra[head[0] : head[1]], self.slice(lo, hi)]
 
     def slice(self, lo: int, hi: int) -> np.ndarray:
         """Rows ``lo:hi`` of ``rows`` followed by ``extra`` (a span never straddles the two)."""
@@ -86,12 +99,12 @@ class StepOutput:
     def __getstate__(self) -> tuple:
         return (
             self.req_ids, self.token_starts, self.lo, self.hi, self.rows, self.errors, self.extra,
-            self.published, self.lost,
+            self.published, self.lost, self.heads,
         )  # fmt: skip
 
     def __setstate__(self, state: tuple) -> None:
         (
             self.req_ids, self.token_starts, self.lo, self.hi, self.rows, self.errors, self.extra,
-            self.published, self.lost,
+            self.published, self.lost, self.heads,
         ) = state  # fmt: skip
         self._spans = None

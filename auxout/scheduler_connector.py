@@ -211,6 +211,26 @@ class SchedulerConnector:
         Raises ``RoutesUnavailableError`` for this request alone when its routes could not be
         assembled (e.g. a prefix block was evicted): fail the request, not the engine.
         """
+        got = self._take(output, request, finished)
+        return np.concatenate(got) if type(got) is list else got  # type: ignore[return-value]
+
+    def take_output_parts(
+        self, output: StepOutput | None, request: SchedRequest, *, finished: bool = False
+    ) -> list[np.ndarray] | RouteManifest | None:
+        """``take_output`` as the arrays that hold the rows, in order, not joined.
+
+        A request that read a cached prefix this step gets two parts: the prefix rows, then its
+        own rows (a view of the step's snapshot). An engine that gathers a request's rows over
+        several steps anyway (vLLM's frontend gets them at finish) joins once at the end instead
+        of copying every prefix-hit request's rows each step.
+        """
+        got = self._take(output, request, finished)
+        return [got] if isinstance(got, np.ndarray) else got
+
+    def _take(
+        self, output: StepOutput | None, request: SchedRequest, finished: bool
+    ) -> np.ndarray | list[np.ndarray] | RouteManifest | None:
+        """``take_output``'s work; a list (of two parts) only for a request with a head."""
         rid = request.request_id
         opts = self._options.get(rid)
         if not (self.default_return if opts is None else opts[1]):
@@ -226,27 +246,42 @@ class SchedulerConnector:
         if span is None:
             raise InvariantError(f"worker output is missing request {rid!r}")
         token_start, lo, hi = span
+        head = output.heads.get(rid) if output.heads else None
+        n_head = 0 if head is None else head[1] - head[0]
+        n_rows = n_head + hi - lo
         local_end = request.num_tokens - 1 - token_start
         if local_end < 0:
             if finished:
                 raise InvariantError(
                     f"finished request {rid!r} has no accepted token range: token_end={request.num_tokens - 1}, "
-                    f"output=[{token_start}, {token_start + hi - lo})"
+                    f"output=[{token_start}, {token_start + n_rows})"
                 )
             return None
-        if local_end > hi - lo:
+        if local_end > n_rows:
             if finished:
                 raise InvariantError(
                     f"worker output has an invalid token range for request {rid!r}: accepted end "
-                    f"{request.num_tokens - 1}, rows cover [{token_start}, {token_start + hi - lo})"
+                    f"{request.num_tokens - 1}, rows cover [{token_start}, {token_start + n_rows})"
                 )
-            local_end = hi - lo  # rows returned as captured (a prefill chunk that sampled nothing)
-        nrows = len(output.rows)
-        rows = output.rows[lo : lo + local_end] if hi <= nrows else output.slice(lo, lo + local_end)
+            local_end = n_rows  # rows returned as captured (a prefill chunk that sampled nothing)
+        rows: np.ndarray | list[np.ndarray]
+        if head is None:
+            rows = output.rows[lo : lo + local_end] if hi <= len(output.rows) else output.slice(lo, lo + local_end)
+        else:
+            assert output.extra is not None
+            a = head[0]
+            if local_end <= n_head:
+                rows = output.extra[a : a + local_end]
+            else:
+                rows = [output.extra[a : a + n_head], output.slice(lo, lo + local_end - n_head)]
         self._delivered[rid] = token_start + local_end
         if self._keys_mode and rid in self._keys_mode:
             assert self.publisher is not None
-            self.publisher.add(rid, token_start, rows)
+            if type(rows) is list:
+                self.publisher.add(rid, token_start, rows[0])
+                self.publisher.add(rid, token_start + n_head, rows[1])
+            else:
+                self.publisher.add(rid, token_start, rows)  # type: ignore[arg-type]
             if not finished:
                 return None
             self._keys_mode.discard(rid)
@@ -275,7 +310,7 @@ class SchedulerConnector:
         """
         n = len(requests)
         fin = [False] * n if finished is None else list(finished)
-        if output is None or output.errors or self._keys_mode or not self.default_return or n == 0:
+        if output is None or output.errors or output.heads or self._keys_mode or not self.default_return or n == 0:
             return [self._take_or_error(output, r, f) for r, f in zip(requests, fin)]
         spans = output.span_map()
         get_span, get_opt = spans.get, self._options.get

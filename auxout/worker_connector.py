@@ -597,31 +597,79 @@ class WorkerConnector:
         self._emit[slots[do_emit]] = end[do_emit]
         errors: dict[str, str] = {}
         extra = self._no_rows
+        heads: dict[str, tuple[int, int]] = {}
         slow = np.flatnonzero(do_emit & (emit < cap))
         if len(slow):
-            # rows emitted from before this step (cached prefix, earlier chunks): one buffer,
-            # filled in place straight from the store, then this step's own rows
-            sizes = (cap[slow] - emit[slow]) + kept[slow]
-            extra = self._out_buffers.take(int(sizes.sum()))
-            offset = 0
-            for i, size in zip(slow.tolist(), sizes.tolist()):
-                n_before = int(cap[i] - emit[i])
-                try:
-                    self._read_into(int(slots[i]), int(emit[i]), int(cap[i]), extra[offset : offset + n_before])
-                except BlockStoreError as exc:
-                    errors[p.req_ids[i]] = f"{type(exc).__name__}: {exc}"
-                    missing = getattr(exc, "keys", None)
-                    self._lost.extend(missing if missing else self._keys[int(slots[i])][: int(cap[i]) // bs])
-                    # nothing delivered; the engine restarts this incarnation, whose steps still in
-                    # flight must neither emit nor report the failure again
-                    self._emit[slots[i]] = NO_EMIT
-                    continue
-                extra[offset + n_before : offset + size] = rows[int(qs[i]) : int(qs[i] + kept[i])]
-                lo[i] = len(rows) + offset
-                hi[i] = len(rows) + offset + size
-                offset += size
+            # rows emitted from before this step (cached prefix, earlier chunks) go into one buffer
+            # (the requests' heads), filled straight from the store; their own rows stay in the
+            # snapshot: a two-part span, joined only by whoever needs one array
+            extra = self._out_buffers.take(int((cap[slow] - emit[slow]).sum()))
+            for i, a, b in self._read_heads(slots, emit, cap, slow, extra, p.req_ids, errors):
+                heads[p.req_ids[i]] = (a, b)
+                lo[i] = qs[i]
+                hi[i] = qs[i] + kept[i]
         published, lost = self._route_events()
-        return StepOutput(list(p.req_ids), emit, lo, hi, rows, errors, extra, published, lost)  # emit: a gathered copy
+        return StepOutput(list(p.req_ids), emit, lo, hi, rows, errors, extra, published, lost, heads)  # emit: a gathered copy
+
+    def _read_heads(
+        self,
+        slots: np.ndarray,
+        emit: np.ndarray,
+        cap: np.ndarray,
+        slow: np.ndarray,
+        out: np.ndarray,
+        req_ids: Sequence[str],
+        errors: dict[str, str],
+    ) -> list[tuple[int, int, int]]:
+        """Read rows ``[emit, cap)`` of the requests ``slow`` into ``out``; ``(i, lo, hi)`` per success.
+
+        Heads made only of whole stored blocks (a prefix hit: the common case) are read with one
+        store call for the step, in one run at the front of ``out``; the rest (a head starting
+        mid-block, rows still staged) one request at a time. A request whose rows cannot be read
+        gets an entry in ``errors`` and emits nothing.
+        """
+        bs = self.block_size
+        keys = self._keys
+        s_slow = slots[slow]
+        e_slow, c_slow = emit[slow], cap[slow]
+        stored = np.minimum(self._nkeys[s_slow], self._capture[s_slow] // bs) * bs
+        whole = (e_slow % bs == 0) & (c_slow % bs == 0) & (c_slow <= stored)
+        order = np.concatenate([np.flatnonzero(whole), np.flatnonzero(~whole)])
+        n_before = (c_slow - e_slow)[order]
+        ends = np.cumsum(n_before)
+        starts = ends - n_before
+        n_whole = int(np.count_nonzero(whole))
+        done: list[tuple[int, int, int]] = []
+        one_by_one = order.tolist()
+        if n_whole > 1:
+            batch: list[str] = []
+            for k in order[:n_whole].tolist():
+                batch.extend(keys[int(s_slow[k])][int(e_slow[k]) // bs : int(c_slow[k]) // bs])
+            try:
+                self._store_read(batch, out[: int(ends[n_whole - 1])])
+            except BlockStoreError:
+                pass  # (rare) find out which requests failed: read them one by one below
+            else:
+                sl = slow[order[:n_whole]].tolist()
+                done = list(zip(sl, starts[:n_whole].tolist(), ends[:n_whole].tolist()))
+                one_by_one = one_by_one[n_whole:]
+        pos = {k: j for j, k in enumerate(order.tolist())}
+        for k in one_by_one:
+            i, j = int(slow[k]), pos[k]
+            a, b = int(starts[j]), int(ends[j])
+            s = int(s_slow[k])
+            try:
+                self._read_into(s, int(e_slow[k]), int(c_slow[k]), out[a:b])
+            except BlockStoreError as exc:
+                errors[req_ids[i]] = f"{type(exc).__name__}: {exc}"
+                missing = getattr(exc, "keys", None)
+                self._lost.extend(missing if missing else keys[s][: int(c_slow[k]) // bs])
+                # nothing delivered; the engine restarts this incarnation, whose steps still in
+                # flight must neither emit nor report the failure again
+                self._emit[s] = NO_EMIT
+                continue
+            done.append((i, a, b))
+        return done
 
     def _commit_decode(self, p: PendingStep) -> StepOutput | None:
         """``_commit`` for the common decode step, in a third of the numpy calls; None if not one.

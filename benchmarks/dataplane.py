@@ -356,17 +356,19 @@ class AuxoutDriver:
         return worker.process_output(pending, st.sampled, st.rejected)
 
     def emit(self, out: StepOutput, emitters: list[Req], finished: list[Req], chunked: list[Req]) -> None:
-        take = self.sched.take_output
+        # as the vLLM bridge does: a prefix hit's rows come in two parts (prefix, own rows), held
+        # per request and joined once when handed over (not timed, for either connector)
+        take = self.sched.take_output_parts
         for r in emitters:
-            chunk = take(out, r, finished=r.finished)
-            if r.chunks is not None and isinstance(chunk, np.ndarray):
-                r.chunks.append(chunk)
+            parts = take(out, r, finished=r.finished)
+            if r.chunks is not None and isinstance(parts, list):
+                r.chunks.extend(parts)
         # rows go out as captured: a prefill chunk that sampled nothing is collected too (the vLLM
         # bridge holds them until the request emits, ``hold_uncollected``)
         for r in chunked:
-            chunk = take(out, r)
-            if r.chunks is not None and isinstance(chunk, np.ndarray):
-                r.chunks.append(chunk)
+            parts = take(out, r)
+            if r.chunks is not None and isinstance(parts, list):
+                r.chunks.extend(parts)
         for r in finished:
             self.sched.request_finished(r)
 

@@ -433,3 +433,30 @@ def test_take_outputs_equals_per_request_calls() -> None:
         assert len(batched) == len(one)
         for a, b in zip(batched, one):
             assert (a is None and b is None) or np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("num_tokens", [3, 5, 6, 9, 10])
+def test_a_two_part_output_is_clipped_and_joined_like_one(num_tokens: int) -> None:
+    """A prefix hit's rows come as a head (``extra``) plus its own rows (the snapshot)."""
+    head, own = ROWS[:5], ROWS[5:9]
+    out = StepOutput(
+        ["r"], np.array([0]), np.array([0]), np.array([4]), own.copy(), extra=head.copy(), heads={"r": (0, 5)}
+    )
+    sc = SchedulerConnector()
+    r = Req("r", num_tokens=num_tokens, num_output_tokens=1)
+    want = ROWS[: min(num_tokens - 1, 9)]
+    got = sc.take_output(out, r, finished=num_tokens <= 10)
+    assert got is not None and np.array_equal(got, want)
+    parts = SchedulerConnector().take_output_parts(out, r, finished=num_tokens <= 10)
+    assert isinstance(parts, list) and len(parts) == (1 if num_tokens - 1 <= 5 else 2)
+    assert np.array_equal(np.concatenate(parts), want)
+    joined = out.rows_for("r")
+    assert joined is not None and joined[0] == 0 and np.array_equal(joined[1], ROWS[:9])
+
+
+def test_a_two_part_output_past_its_rows_is_an_error_for_a_finished_request() -> None:
+    out = StepOutput(
+        ["r"], np.array([0]), np.array([0]), np.array([2]), ROWS[3:5].copy(), extra=ROWS[:3].copy(), heads={"r": (0, 3)}
+    )
+    with pytest.raises(InvariantError, match=r"rows cover \[0, 5\)"):
+        SchedulerConnector().take_output(out, Req("r", num_tokens=7, num_output_tokens=1), finished=True)

@@ -883,3 +883,43 @@ def test_generation_change_tears_down_requests_finished_with_output_in_flight() 
     t2 = oracle(6)  # and the slot is reusable
     out = run(w, meta({"b": 0}, {"b": [3]}, generation=1), [("b", 0, t2[:5])], [1])
     assert_emits(out, "b", 0, t2[:5])
+
+
+def _publish_chain(w: WorkerConnector, rid: str, ids: list[int], t: np.ndarray) -> None:
+    """Run one request over ``len(ids)`` whole blocks of ``t`` and finish it: its blocks are stored."""
+    k = BS * len(ids)
+    assert_emits(run(w, meta({rid: 0}, {rid: ids}), [(rid, 0, t[:k])], [1]), rid, 0, t[:k])
+    w.begin_step(meta(finished=(rid,)))
+
+
+def test_prefix_hits_of_a_step_are_read_together_and_own_rows_stay_in_the_snapshot() -> None:
+    w, spy = make()
+    t0, t1 = oracle(80), oracle(81)
+    _publish_chain(w, "p0", [1, 2], t0)
+    _publish_chain(w, "p1", [3, 4], t1)
+    spy.gets.clear()
+    # x and y hit whole stored blocks; z emits from mid-block (prompt_start 2) over x's prefix
+    m = meta({"x": 0, "y": 0, "z": 2}, {"x": [1, 2], "y": [3, 4], "z": [1, 2]})
+    out = run(w, m, [("x", 8, t0[8:11]), ("y", 8, t1[8:10]), ("z", 8, t0[8:9])], [1, 1, 1])
+    assert_emits(out, "x", 0, t0[:11])
+    assert_emits(out, "y", 0, t1[:10])
+    assert_emits(out, "z", 2, t0[2:9])
+    assert spy.gets[0] == [key(1), key(2), key(3), key(4)]  # one store read for both whole heads
+    assert len(spy.gets) == 2  # and one for z's
+    assert out.extra is not None and len(out.extra) == 8 + 8 + 6  # heads only: own rows are not copied
+    for rid in ("x", "y", "z"):
+        a, b = out.heads[rid]
+        _, lo, hi = out.span_map()[rid]
+        head, own = out.parts(rid, lo, hi)
+        assert np.shares_memory(head, out.extra) and np.shares_memory(own, out.rows)
+
+
+def test_a_failed_batched_prefix_read_fails_only_the_request_whose_blocks_are_gone() -> None:
+    w, spy = make()
+    t0, t1 = oracle(82), oracle(83)
+    _publish_chain(w, "p0", [1, 2], t0)
+    m = meta({"x": 0, "y": 0}, {"x": [1, 2], "y": [5, 6]})  # y's blocks were never stored
+    out = run(w, m, [("x", 8, t0[8:10]), ("y", 8, t1[8:10])], [1, 1])
+    assert_emits(out, "x", 0, t0[:10])
+    assert out.rows_for("y") is None
+    assert "ObjectMissingError" in out.errors["y"] and key(5) in out.errors["y"] and "x" not in out.errors

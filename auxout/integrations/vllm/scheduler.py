@@ -182,18 +182,19 @@ class SchedulerBridge:
         self.taken.add(rid)
         finished = request.is_finished()
         try:
-            rows = self.connector.take_output(output, request, finished=finished)
+            parts = self.connector.take_output_parts(output, request, finished=finished)
         except BlockStoreError as exc:
             logger.error("auxout: routes of request %s are unavailable: %s", rid, exc)
             self.failed[rid] = str(exc)
             self.held.discard(rid)
             return None
-        if rows is None:
+        if parts is None:
             return None
-        if isinstance(rows, RouteManifest):  # keys-only: delivered in the final output's kv_transfer_params
-            self.manifests[rid] = rows.to_dict()
+        if isinstance(parts, RouteManifest):  # keys-only: delivered in the final output's kv_transfer_params
+            self.manifests[rid] = parts.to_dict()
             return None
-        self.held.add(rid, rows)
+        for rows in parts:  # (a prefix hit's rows and its own: joined once, when handed over)
+            self.held.add(rid, rows)
         params = request.sampling_params
         # streamed (and stop-string) requests get their rows every step: the server sends each
         # step's rows with its tokens (held rows of earlier prefill chunks included)
@@ -211,14 +212,15 @@ class SchedulerBridge:
             if request is None or request.is_finished():
                 continue
             try:
-                rows = self.connector.take_output(output, request)
+                parts = self.connector.take_output_parts(output, request)
             except BlockStoreError as exc:
                 logger.error("auxout: routes of request %s are unavailable: %s", rid, exc)
                 self.failed[rid] = str(exc)
                 self.held.discard(rid)
                 continue
-            if isinstance(rows, np.ndarray):
-                self.held.add(rid, rows)
+            if isinstance(parts, list):
+                for rows in parts:
+                    self.held.add(rid, rows)
 
     def reset(self) -> None:
         self.connector.reset()
