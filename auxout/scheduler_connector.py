@@ -211,26 +211,19 @@ class SchedulerConnector:
         Raises ``RoutesUnavailableError`` for this request alone when its routes could not be
         assembled (e.g. a prefix block was evicted): fail the request, not the engine.
         """
-        got = self._take(output, request, finished)
+        got = self.take_output_parts(output, request, finished=finished)
         return np.concatenate(got) if type(got) is list else got  # type: ignore[return-value]
 
     def take_output_parts(
         self, output: StepOutput | None, request: SchedRequest, *, finished: bool = False
-    ) -> list[np.ndarray] | RouteManifest | None:
-        """``take_output`` as the arrays that hold the rows, in order, not joined.
-
-        A request that read a cached prefix this step gets two parts: the prefix rows, then its
-        own rows (a view of the step's snapshot). An engine that gathers a request's rows over
-        several steps anyway (vLLM's frontend gets them at finish) joins once at the end instead
-        of copying every prefix-hit request's rows each step.
-        """
-        got = self._take(output, request, finished)
-        return [got] if isinstance(got, np.ndarray) else got
-
-    def _take(
-        self, output: StepOutput | None, request: SchedRequest, finished: bool
     ) -> np.ndarray | list[np.ndarray] | RouteManifest | None:
-        """``take_output``'s work; a list (of two parts) only for a request with a head."""
+        """``take_output`` without joining: a list of two arrays where the rows come in two parts.
+
+        A request that read a cached prefix this step gets its prefix rows, then its own rows (a
+        view of the step's snapshot). An engine that gathers a request's rows over several steps
+        anyway (vLLM's frontend gets them at finish) joins once at the end instead of copying
+        every prefix-hit request's own rows each step. Anything else is as ``take_output``.
+        """
         rid = request.request_id
         opts = self._options.get(rid)
         if not (self.default_return if opts is None else opts[1]):

@@ -325,6 +325,13 @@ class Driver(Protocol):
     def check(self) -> str | None: ...
 
 
+def _hold(chunks: list[np.ndarray], parts: object) -> None:
+    if type(parts) is list:
+        chunks.extend(parts)
+    elif isinstance(parts, np.ndarray):
+        chunks.append(parts)
+
+
 class AuxoutDriver:
     """auxout with the store the vLLM integration builds (``make_store("arena")``: writer thread,
     small batches applied in place while it is idle)."""
@@ -361,14 +368,14 @@ class AuxoutDriver:
         take = self.sched.take_output_parts
         for r in emitters:
             parts = take(out, r, finished=r.finished)
-            if r.chunks is not None and isinstance(parts, list):
-                r.chunks.extend(parts)
+            if r.chunks is not None:
+                _hold(r.chunks, parts)
         # rows go out as captured: a prefill chunk that sampled nothing is collected too (the vLLM
         # bridge holds them until the request emits, ``hold_uncollected``)
         for r in chunked:
             parts = take(out, r)
-            if r.chunks is not None and isinstance(parts, list):
-                r.chunks.extend(parts)
+            if r.chunks is not None:
+                _hold(r.chunks, parts)
         for r in finished:
             self.sched.request_finished(r)
 

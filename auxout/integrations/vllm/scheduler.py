@@ -193,8 +193,11 @@ class SchedulerBridge:
         if isinstance(parts, RouteManifest):  # keys-only: delivered in the final output's kv_transfer_params
             self.manifests[rid] = parts.to_dict()
             return None
-        for rows in parts:  # (a prefix hit's rows and its own: joined once, when handed over)
-            self.held.add(rid, rows)
+        if isinstance(parts, list):  # a prefix hit's rows and its own: joined once, when handed over
+            for rows in parts:
+                self.held.add(rid, rows)
+        else:
+            self.held.add(rid, parts)
         params = request.sampling_params
         # streamed (and stop-string) requests get their rows every step: the server sends each
         # step's rows with its tokens (held rows of earlier prefill chunks included)
@@ -218,9 +221,11 @@ class SchedulerBridge:
                 self.failed[rid] = str(exc)
                 self.held.discard(rid)
                 continue
-            if isinstance(parts, list):
+            if type(parts) is list:
                 for rows in parts:
                     self.held.add(rid, rows)
+            elif isinstance(parts, np.ndarray):
+                self.held.add(rid, parts)
 
     def reset(self) -> None:
         self.connector.reset()
