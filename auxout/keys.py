@@ -142,12 +142,23 @@ class ChainKeys:
         while len(chains) > self.capacity or self._num_keys > self.max_keys:
             self._num_keys -= len(chains.popitem(last=False)[1][2])
 
-    def keys_batch(self, packs: Sequence[PackedHashes], generation: int) -> list[list[str]]:
-        """``KeySpace.keys_batch``, with the leading keys of a remembered chain reused."""
+    def keys_batch(
+        self,
+        packs: Sequence[PackedHashes],
+        generation: int,
+        sources: list[tuple[list[str], int] | None] | None = None,
+    ) -> list[list[str]]:
+        """``KeySpace.keys_batch``, with the leading keys of a remembered chain reused.
+
+        ``sources``, if given, gets one entry per pack: ``(remembered key list, n)`` when its
+        first ``n`` keys are that list's (the very list passed to ``remember``), else None.
+        """
         self._enter(generation)
         chains = self._chains
         found = [chains.get(p.data[: p.item_size]) for p in packs] if chains else []
         if found.count(None) == len(found):  # (a new conversation, a decode step's hashes)
+            if sources is not None:
+                sources.extend([None] * len(packs))
             return self.keyspace.keys_batch(packs, generation)
         reused: list[list[str]] = []
         rest: list[PackedHashes] = []
@@ -156,9 +167,13 @@ class ChainKeys:
             if chain is None or not n:
                 reused.append([])
                 rest.append(p)
+                if sources is not None:
+                    sources.append(None)
                 continue
             chains.move_to_end(p.data[: p.item_size])
             reused.append(chain[2][:n])
+            if sources is not None:
+                sources.append((chain[2], n))
             rest.append(PackedHashes(p.data[n * p.item_size :], p.item_size))
         todo = [i for i, p in enumerate(rest) if p.data]
         derived = self.keyspace.keys_batch([rest[i] for i in todo], generation)

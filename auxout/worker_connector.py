@@ -153,6 +153,7 @@ class WorkerConnector:
         self._pending_steps: list[PendingStep] = []
         self._void_seqs: set[int] = set()  # in-flight steps voided by a generation change
         self._awaiting: set[int] = set()  # finished slots whose teardown waits for in-flight outputs
+        self._pin_floor: dict[int, int] = {}  # finished slot -> leading pins handed to a next turn
         self._no_rows = profile.empty(0)
         self._step_ready = False
         self._seq = 0
@@ -210,14 +211,17 @@ class WorkerConnector:
         self._staged[s] = {}
         self._rid[s] = rid
         self._slot_of[rid] = s
+        if self._pin_floor:  # (only a begin_step that failed half-way leaves an entry behind)
+            self._pin_floor.pop(s, None)
         return s
 
     def _teardown(self, slots: Sequence[int]) -> list[str]:
         """Free slots; returns their keys in release order (each chain tail-first)."""
         release: list[str] = []
         pool_free: list[int] = []
+        floor = self._pin_floor
         for s in slots:
-            release.extend(reversed(self._keys[s][: self._pinned[s]]))
+            release.extend(reversed(self._keys[s][floor.pop(s, 0) if floor else 0 : self._pinned[s]]))
             pool_free.extend(self._staged[s].values())
             if self._tail[s] >= 0:
                 pool_free.append(int(self._tail[s]))
@@ -311,13 +315,16 @@ class WorkerConnector:
             packs.append(packed)
         for s, pack in zip(hashed, packs):
             self._hashes[s].append(pack)
-        for s, keys in zip(hashed, self._chains.keys_batch(packs, self.generation)):
+        sources: list[tuple[list[str], int] | None] | None = [] if done else None
+        for s, keys in zip(hashed, self._chains.keys_batch(packs, self.generation, sources)):
             self._keys[s].extend(keys)
             if self._staged[s]:
                 keyed.append(s)
         if hashed:
             idx = np.array(hashed, dtype=_I64)
             self._nkeys[idx] = [len(self._keys[s]) for s in hashed]
+            if sources and sources.count(None) != len(sources):
+                self._inherit_pins(hashed, sources, done)
             self._sync_pins(idx, retain, release)
         objects, pool_slots = self._collect_staged(keyed)  # copied out: teardown may free their slots
         if done:
@@ -326,6 +333,26 @@ class WorkerConnector:
             self._put(objects, retain, release)
         if pool_slots:
             self.pool.free(pool_slots)
+
+    def _inherit_pins(
+        self, hashed: list[int], sources: list[tuple[list[str], int] | None], done: list[int]
+    ) -> None:
+        """A next turn admitted in the step its previous turn ends takes over that turn's pins
+        on their shared history instead of retaining what the other releases in the same batch:
+        +1 and -1 on a key that stays referenced change nothing the store can show, and a long
+        conversation's history is thousands of keys per turn."""
+        donors = {id(self._keys[d]): d for d in done}
+        for s, src in zip(hashed, sources):
+            if src is None:
+                continue
+            d = donors.get(id(src[0]))
+            # (the heir is new: this pack is its first, nothing captured or pinned yet)
+            if d is None or len(self._hashes[s]) != 1 or self._capture[s] >= 0 or self._pinned[s]:
+                continue
+            del donors[id(src[0])]  # one heir per finished turn
+            m = min(src[1], int(self._pinned[d]))
+            self._pinned[s] = m
+            self._pin_floor[d] = m  # the finished turn releases only what it keeps
 
     def _busy(self, s: int) -> bool:
         """Whether a prepared step whose output is not processed yet (and not voided) covers slot ``s``.

@@ -923,3 +923,34 @@ def test_a_failed_batched_prefix_read_fails_only_the_request_whose_blocks_are_go
     assert_emits(out, "x", 0, t0[:10])
     assert out.rows_for("y") is None
     assert "ObjectMissingError" in out.errors["y"] and key(5) in out.errors["y"] and "x" not in out.errors
+
+
+def _pins_seen(spy: SpyStore, k: str) -> tuple[int, int]:
+    """How often ``k`` was retained and released, over every put so far."""
+    return sum(p[1].count(k) for p in spy.puts), sum(p[2].count(k) for p in spy.puts)
+
+
+@pytest.mark.parametrize("heirs", [1, 2])
+def test_a_next_turn_admitted_as_its_previous_turn_ends_takes_over_its_pins(heirs: int) -> None:
+    w, spy = make(max_num_batched_tokens=64)
+    t = oracle(84, 48)
+    hist = list(range(1, 9))  # 8 blocks: long enough for the worker to reuse the chain's keys
+    assert_emits(run(w, meta({"t1": 0}, {"t1": hist}), [("t1", 0, t[:32])], [1]), "t1", 0, t[:32])
+    assert [spy.references(key(i)) for i in hist] == [1] * 8
+    before = [_pins_seen(spy, key(i)) for i in hist]
+    # t1 ends in the step that admits the next turn(s) over the same history
+    nxt = {f"t2{c}": 0 for c in "ab"[:heirs]}
+    out = run(
+        w, meta(nxt, {r: hist + [9] for r in nxt}, finished=("t1",)),
+        [(r, 32, t[32:36]) for r in nxt], [1] * heirs,
+    )  # fmt: skip
+    for r in nxt:
+        assert_emits(out, r, 0, t[:36])
+    after = [_pins_seen(spy, key(i)) for i in hist]
+    # the first heir inherits t1's pins: no retain/release pair on the history; a second retains its own
+    assert [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before)] == [(heirs - 1, 0)] * 8
+    assert [spy.references(key(i)) for i in hist] == [heirs] * 8
+    w.begin_step(meta(finished=tuple(nxt)))
+    assert [spy.references(key(i)) for i in hist + [9]] == [0] * 9
+    # released tail-first, as without the hand-over: the chain's tail is the least recently used
+    assert spy.inner.stored_keys[:9] == [key(i) for i in range(9, 0, -1)]
