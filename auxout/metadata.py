@@ -37,8 +37,9 @@ class StepOutput:
     Request ``req_ids[i]`` emitted rows ``lo[i]:hi[i]`` of ``rows`` followed by ``extra``
     (``rows`` is the step's snapshot, never copied; ``extra`` holds rows assembled from before
     the step, e.g. a cached prefix) for positions starting at ``token_starts[i]``; ``lo[i] == -1``
-    means it emitted nothing this step. A request in ``heads`` emitted ``extra[a:b]`` (its rows
-    from before the step) first, then its span: its own rows stay in the snapshot, uncopied. ``errors`` holds a message for requests whose routes
+    means it emitted nothing this step. A request in ``heads`` emitted rows from before the step
+    (read back into ``extra``) and then its own rows, which stay in the snapshot, uncopied
+    (``span_rows``). ``errors`` holds a message for requests whose routes
     could not be assembled (e.g. evicted prefix objects): the engine recomputes them.
     ``published``/``lost`` report the store keys written and lost (evicted, dropped, found
     missing) since the previous output, for the scheduler's ``RouteIndex``.
@@ -53,7 +54,7 @@ class StepOutput:
     extra: np.ndarray | None = None
     published: list[str] = field(default_factory=list)
     lost: list[str] = field(default_factory=list)
-    heads: dict[str, tuple[int, int]] = field(default_factory=dict)
+    heads: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     _spans: dict[str, tuple[int, int, int]] | None = None
 
     def span_map(self) -> dict[str, tuple[int, int, int]]:
@@ -77,24 +78,40 @@ class StepOutput:
         sp = self.span(request_id)
         if sp is None:
             return None
-        parts = self.parts(request_id, sp[1], sp[2])
-        return sp[0], parts[0] if len(parts) == 1 else np.concatenate(parts)
-
-    def parts(self, request_id: str, lo: int, hi: int) -> list[np.ndarray]:
-        """The arrays holding a request's emitted rows: its head (if any), then ``slice(lo, hi)``."""
-        head = self.heads.get(request_id) if self.heads else None
-        if head is None:
-            return [self.slice(lo, hi)]
-        assert self.extra is not None
-        return [self.extra[head[0] : head[1]], self.slice(lo, hi)]
+        rows = self.span_rows(request_id, sp[1], sp[2])
+        return sp[0], np.concatenate(rows) if isinstance(rows, list) else rows
 
     def slice(self, lo: int, hi: int) -> np.ndarray:
-        """Rows ``lo:hi`` of ``rows`` followed by ``extra`` (a span never straddles the two)."""
+        """Rows ``lo:hi`` of ``rows`` followed by ``extra`` (a span never straddles the two; not
+        for the span of a request in ``heads``, see ``span_rows``)."""
         n = len(self.rows)
         if hi <= n:
             return self.rows[lo:hi]
         assert self.extra is not None
         return self.extra[lo - n : hi - n]
+
+    def span_rows(self, request_id: str, lo: int, hi: int) -> np.ndarray | list[np.ndarray]:
+        """Rows ``lo:hi`` of a request's span: one view, or two for a head followed by own rows.
+
+        The span of a request in ``heads`` counts as if its own rows followed its head in
+        ``extra`` (so it lies past ``rows``, and ``hi - lo`` is its length); ``heads[rid] = (a,
+        b, own)``: the head is ``extra[a:b]``, its own rows start at ``rows[own]``.
+        """
+        n = len(self.rows)
+        if hi <= n:
+            return self.rows[lo:hi]
+        head = self.heads.get(request_id) if self.heads else None
+        assert self.extra is not None
+        if head is None:
+            return self.extra[lo - n : hi - n]
+        a, b, own = head
+        lo, hi = lo - n - a, hi - n - a  # offsets into the request's head + own rows
+        n_head = b - a
+        if hi <= n_head:
+            return self.extra[a + lo : a + hi]
+        if lo >= n_head:
+            return self.rows[own + lo - n_head : own + hi - n_head]
+        return [self.extra[a + lo : b], self.rows[own : own + hi - n_head]]
 
     def __getstate__(self) -> tuple:
         return (

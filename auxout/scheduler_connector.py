@@ -239,55 +239,56 @@ class SchedulerConnector:
         if span is None:
             raise InvariantError(f"worker output is missing request {rid!r}")
         token_start, lo, hi = span
-        head = output.heads.get(rid) if output.heads else None
-        n_head = 0 if head is None else head[1] - head[0]
-        n_rows = n_head + hi - lo
         local_end = request.num_tokens - 1 - token_start
-        if local_end < 0:
-            if finished:
-                raise InvariantError(
-                    f"finished request {rid!r} has no accepted token range: token_end={request.num_tokens - 1}, "
-                    f"output=[{token_start}, {token_start + n_rows})"
-                )
-            return None
-        if local_end > n_rows:
-            if finished:
-                raise InvariantError(
-                    f"worker output has an invalid token range for request {rid!r}: accepted end "
-                    f"{request.num_tokens - 1}, rows cover [{token_start}, {token_start + n_rows})"
-                )
-            local_end = n_rows  # rows returned as captured (a prefill chunk that sampled nothing)
-        rows: np.ndarray | list[np.ndarray]
-        if head is None:
-            rows = output.rows[lo : lo + local_end] if hi <= len(output.rows) else output.slice(lo, lo + local_end)
-        else:
-            assert output.extra is not None
-            a = head[0]
-            if local_end <= n_head:
-                rows = output.extra[a : a + local_end]
-            else:
-                rows = [output.extra[a : a + n_head], output.slice(lo, lo + local_end - n_head)]
+        if local_end < 0 or local_end > hi - lo:
+            local_end = self._clip(rid, request, token_start, hi - lo, finished)
+            if local_end < 0:
+                return None
+        rows = output.rows[lo : lo + local_end] if hi <= len(output.rows) else output.span_rows(rid, lo, lo + local_end)
         self._delivered[rid] = token_start + local_end
         if self._keys_mode and rid in self._keys_mode:
-            assert self.publisher is not None
-            if type(rows) is list:
-                self.publisher.add(rid, token_start, rows[0])
-                self.publisher.add(rid, token_start + n_head, rows[1])
-            else:
-                self.publisher.add(rid, token_start, rows)  # type: ignore[arg-type]
-            if not finished:
-                return None
-            self._keys_mode.discard(rid)
-            try:
-                return self.publisher.finish(
-                    rid, block_hashes=request.block_hashes, generation=self.generation, token_end=request.num_tokens - 1
-                )
-            except ManifestUnavailableError as exc:  # store full or down: the exact rows go inline
-                self.inline_fallbacks[rid] = exc.reason
-                return exc.rows  # type: ignore[return-value]
-            except BlockStoreError as exc:  # the shared store is down or lost objects: this request fails
-                raise RoutesUnavailableError(rid, f"{type(exc).__name__}: {exc}") from exc
+            return self._publish_keys(rid, request, token_start, rows, finished)
         return rows
+
+    @staticmethod
+    def _clip(rid: str, request: SchedRequest, token_start: int, n_rows: int, finished: bool) -> int:
+        """The accepted end of a span that does not cover ``[token_start, num_tokens - 1)``
+        exactly: -1 if nothing is accepted yet; rows as captured for a chunk that sampled nothing."""
+        end = request.num_tokens - 1
+        if end < token_start:
+            if finished:
+                raise InvariantError(
+                    f"finished request {rid!r} has no accepted token range: token_end={end}, "
+                    f"output=[{token_start}, {token_start + n_rows})"
+                )
+            return -1
+        if finished:
+            raise InvariantError(
+                f"worker output has an invalid token range for request {rid!r}: accepted end "
+                f"{end}, rows cover [{token_start}, {token_start + n_rows})"
+            )
+        return n_rows  # rows returned as captured (a prefill chunk that sampled nothing)
+
+    def _publish_keys(
+        self, rid: str, request: SchedRequest, token_start: int, rows: np.ndarray | list[np.ndarray], finished: bool
+    ) -> RouteManifest | np.ndarray | None:
+        """Keys-only mode: hold the rows; at finish, the manifest (or the exact rows inline)."""
+        assert self.publisher is not None
+        for part in rows if isinstance(rows, list) else [rows]:
+            self.publisher.add(rid, token_start, part)
+            token_start += len(part)
+        if not finished:
+            return None
+        self._keys_mode.discard(rid)
+        try:
+            return self.publisher.finish(
+                rid, block_hashes=request.block_hashes, generation=self.generation, token_end=request.num_tokens - 1
+            )
+        except ManifestUnavailableError as exc:  # store full or down: the exact rows go inline
+            self.inline_fallbacks[rid] = exc.reason
+            return exc.rows  # type: ignore[return-value]
+        except BlockStoreError as exc:  # the shared store is down or lost objects: this request fails
+            raise RoutesUnavailableError(rid, f"{type(exc).__name__}: {exc}") from exc
 
     def take_outputs(
         self,

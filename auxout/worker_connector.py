@@ -624,17 +624,18 @@ class WorkerConnector:
         self._emit[slots[do_emit]] = end[do_emit]
         errors: dict[str, str] = {}
         extra = self._no_rows
-        heads: dict[str, tuple[int, int]] = {}
+        heads: dict[str, tuple[int, int, int]] = {}
         slow = np.flatnonzero(do_emit & (emit < cap))
         if len(slow):
             # rows emitted from before this step (cached prefix, earlier chunks) go into one buffer
             # (the requests' heads), filled straight from the store; their own rows stay in the
             # snapshot: a two-part span, joined only by whoever needs one array
             extra = self._out_buffers.take(int((cap[slow] - emit[slow]).sum()))
+            n = len(rows)
             for i, a, b in self._read_heads(slots, emit, cap, slow, extra, p.req_ids, errors):
-                heads[p.req_ids[i]] = (a, b)
-                lo[i] = qs[i]
-                hi[i] = qs[i] + kept[i]
+                heads[p.req_ids[i]] = (a, b, int(qs[i]))
+                lo[i] = n + a  # (the span counts as if the own rows followed the head: StepOutput.span_rows)
+                hi[i] = n + b + kept[i]
         published, lost = self._route_events()
         return StepOutput(list(p.req_ids), emit, lo, hi, rows, errors, extra, published, lost, heads)  # emit: a gathered copy
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from fake_requests import Req, h
+from hypothesis import given
+from hypothesis import strategies as st
 
 from auxout.errors import InvariantError, RequestValidationError, RoutesUnavailableError
 from auxout.metadata import NO_EMIT, StepOutput
@@ -439,8 +441,9 @@ def test_take_outputs_equals_per_request_calls() -> None:
 def test_a_two_part_output_is_clipped_and_joined_like_one(num_tokens: int) -> None:
     """A prefix hit's rows come as a head (``extra``) plus its own rows (the snapshot)."""
     head, own = ROWS[:5], ROWS[5:9]
+    # the span counts as if the own rows followed the head in ``extra``: [4 + 0, 4 + 5 + 4)
     out = StepOutput(
-        ["r"], np.array([0]), np.array([0]), np.array([4]), own.copy(), extra=head.copy(), heads={"r": (0, 5)}
+        ["r"], np.array([0]), np.array([4]), np.array([13]), own.copy(), extra=head.copy(), heads={"r": (0, 5, 0)}
     )
     sc = SchedulerConnector()
     r = Req("r", num_tokens=num_tokens, num_output_tokens=1)
@@ -458,7 +461,20 @@ def test_a_two_part_output_is_clipped_and_joined_like_one(num_tokens: int) -> No
 
 def test_a_two_part_output_past_its_rows_is_an_error_for_a_finished_request() -> None:
     out = StepOutput(
-        ["r"], np.array([0]), np.array([0]), np.array([2]), ROWS[3:5].copy(), extra=ROWS[:3].copy(), heads={"r": (0, 3)}
+        ["r"], np.array([0]), np.array([2]), np.array([7]), ROWS[3:5].copy(), extra=ROWS[:3].copy(), heads={"r": (0, 3, 0)}
     )
     with pytest.raises(InvariantError, match=r"rows cover \[0, 5\)"):
         SchedulerConnector().take_output(out, Req("r", num_tokens=7, num_output_tokens=1), finished=True)
+
+
+@given(st.integers(0, 6), st.integers(0, 6), st.integers(0, 4), st.data())
+def test_span_rows_of_a_head_and_own_rows_equal_the_joined_rows(n_head: int, n_own: int, pad: int, data) -> None:  # type: ignore[no-untyped-def]
+    extra, rows = ROWS[: pad + n_head + 2], ROWS[20 : 24 + n_own]  # head at extra[pad:], own at rows[1:]
+    out = StepOutput(["r"], np.array([0]), np.array([0]), np.array([0]), rows, extra=extra, heads={"r": (pad, pad + n_head, 1)})
+    joined = np.concatenate([extra[pad : pad + n_head], rows[1 : 1 + n_own]])
+    lo = data.draw(st.integers(0, n_head + n_own))
+    hi = data.draw(st.integers(lo, n_head + n_own))
+    base = len(rows) + pad
+    got = out.span_rows("r", base + lo, base + hi)
+    got = np.concatenate(got) if isinstance(got, list) else got
+    assert got.shape == joined[lo:hi].shape and np.array_equal(got, joined[lo:hi])

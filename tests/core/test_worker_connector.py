@@ -908,9 +908,8 @@ def test_prefix_hits_of_a_step_are_read_together_and_own_rows_stay_in_the_snapsh
     assert len(spy.gets) == 2  # and one for z's
     assert out.extra is not None and len(out.extra) == 8 + 8 + 6  # heads only: own rows are not copied
     for rid in ("x", "y", "z"):
-        a, b = out.heads[rid]
         _, lo, hi = out.span_map()[rid]
-        head, own = out.parts(rid, lo, hi)
+        head, own = out.span_rows(rid, lo, hi)
         assert np.shares_memory(head, out.extra) and np.shares_memory(own, out.rows)
 
 
