@@ -221,7 +221,7 @@ class SchedulerBridge:
                 self.failed[rid] = str(exc)
                 self.held.discard(rid)
                 continue
-            if type(parts) is list:
+            if isinstance(parts, list):
                 for rows in parts:
                     self.held.add(rid, rows)
             elif isinstance(parts, np.ndarray):
