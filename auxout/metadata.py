@@ -97,13 +97,11 @@ class StepOutput:
         ``extra`` (so it lies past ``rows``, and ``hi - lo`` is its length); ``heads[rid] = (a,
         b, own)``: the head is ``extra[a:b]``, its own rows start at ``rows[own]``.
         """
-        n = len(self.rows)
-        if hi <= n:
-            return self.rows[lo:hi]
         head = self.heads.get(request_id) if self.heads else None
+        n = len(self.rows)
+        if head is None or hi <= n:
+            return self.slice(lo, hi)
         assert self.extra is not None
-        if head is None:
-            return self.extra[lo - n : hi - n]
         a, b, own = head
         lo, hi = lo - n - a, hi - n - a  # offsets into the request's head + own rows
         n_head = b - a

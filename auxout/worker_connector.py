@@ -662,41 +662,38 @@ class WorkerConnector:
         e_slow, c_slow = emit[slow], cap[slow]
         stored = np.minimum(self._nkeys[s_slow], self._capture[s_slow] // bs) * bs
         whole = (e_slow % bs == 0) & (c_slow % bs == 0) & (c_slow <= stored)
-        order = np.concatenate([np.flatnonzero(whole), np.flatnonzero(~whole)])
+        order = np.concatenate([np.flatnonzero(whole), np.flatnonzero(~whole)])  # whole heads first
         n_before = (c_slow - e_slow)[order]
         ends = np.cumsum(n_before)
-        starts = ends - n_before
+        # per head, in read order: its request's index, slot, rows [e, c) and place [a, b) in `out`
+        idx, sl, e, c = slow[order].tolist(), s_slow[order].tolist(), e_slow[order].tolist(), c_slow[order].tolist()
+        a_, b_ = (ends - n_before).tolist(), ends.tolist()
         n_whole = int(np.count_nonzero(whole))
-        done: list[tuple[int, int, int]] = []
-        one_by_one = order.tolist()
+        first = 0  # heads before this one were read in one batch
         if n_whole > 1:
             batch: list[str] = []
-            for k in order[:n_whole].tolist():
-                batch.extend(keys[int(s_slow[k])][int(e_slow[k]) // bs : int(c_slow[k]) // bs])
+            for j in range(n_whole):
+                batch.extend(keys[sl[j]][e[j] // bs : c[j] // bs])
             try:
-                self._store_read(batch, out[: int(ends[n_whole - 1])])
+                self._store_read(batch, out[: b_[n_whole - 1]])
             except BlockStoreError:
                 pass  # (rare) find out which requests failed: read them one by one below
             else:
-                sl = slow[order[:n_whole]].tolist()
-                done = list(zip(sl, starts[:n_whole].tolist(), ends[:n_whole].tolist()))
-                one_by_one = one_by_one[n_whole:]
-        pos = {k: j for j, k in enumerate(order.tolist())}
-        for k in one_by_one:
-            i, j = int(slow[k]), pos[k]
-            a, b = int(starts[j]), int(ends[j])
-            s = int(s_slow[k])
+                first = n_whole
+        done = [(idx[j], a_[j], b_[j]) for j in range(first)]
+        for j in range(first, len(idx)):
+            s = sl[j]
             try:
-                self._read_into(s, int(e_slow[k]), int(c_slow[k]), out[a:b])
+                self._read_into(s, e[j], c[j], out[a_[j] : b_[j]])
             except BlockStoreError as exc:
-                errors[req_ids[i]] = f"{type(exc).__name__}: {exc}"
+                errors[req_ids[idx[j]]] = f"{type(exc).__name__}: {exc}"
                 missing = getattr(exc, "keys", None)
-                self._lost.extend(missing if missing else keys[s][: int(c_slow[k]) // bs])
+                self._lost.extend(missing if missing else keys[s][: c[j] // bs])
                 # nothing delivered; the engine restarts this incarnation, whose steps still in
                 # flight must neither emit nor report the failure again
                 self._emit[s] = NO_EMIT
                 continue
-            done.append((i, a, b))
+            done.append((idx[j], a_[j], b_[j]))
         return done
 
     def _commit_decode(self, p: PendingStep) -> StepOutput | None:

@@ -193,11 +193,7 @@ class SchedulerBridge:
         if isinstance(parts, RouteManifest):  # keys-only: delivered in the final output's kv_transfer_params
             self.manifests[rid] = parts.to_dict()
             return None
-        if isinstance(parts, list):  # a prefix hit's rows and its own: joined once, when handed over
-            for rows in parts:
-                self.held.add(rid, rows)
-        else:
-            self.held.add(rid, parts)
+        self._hold(rid, parts)
         params = request.sampling_params
         # streamed (and stop-string) requests get their rows every step: the server sends each
         # step's rows with its tokens (held rows of earlier prefill chunks included)
@@ -221,11 +217,16 @@ class SchedulerBridge:
                 self.failed[rid] = str(exc)
                 self.held.discard(rid)
                 continue
-            if isinstance(parts, list):
-                for rows in parts:
-                    self.held.add(rid, rows)
-            elif isinstance(parts, np.ndarray):
-                self.held.add(rid, parts)
+            if parts is not None and not isinstance(parts, RouteManifest):
+                self._hold(rid, parts)
+
+    def _hold(self, rid: str, parts: np.ndarray | list[np.ndarray]) -> None:
+        """Hold a step's rows (a prefix hit's come in two parts: joined once, when handed over)."""
+        if isinstance(parts, list):
+            for rows in parts:
+                self.held.add(rid, rows)
+        else:
+            self.held.add(rid, parts)
 
     def reset(self) -> None:
         self.connector.reset()
