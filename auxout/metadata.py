@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from auxout.keys import PackedHashes
+from auxout.store_rows import StoreRows, join_rows
 
 NO_EMIT = 1 << 62
 """Emit start of a request that opted out: its rows are captured and published, never emitted."""
@@ -34,15 +35,16 @@ class StepMetadata:
 class StepOutput:
     """Worker → scheduler, once per executed step: one rows array plus per-request spans.
 
-    Request ``req_ids[i]`` emitted rows ``lo[i]:hi[i]`` of ``rows`` followed by ``extra``
-    (``rows`` is the step's snapshot, never copied; ``extra`` holds rows assembled from before
-    the step, e.g. a cached prefix) for positions starting at ``token_starts[i]``; ``lo[i] == -1``
-    means it emitted nothing this step. A request in ``heads`` emitted rows from before the step
-    (read back into ``extra``) and then its own rows, which stay in the snapshot, uncopied
-    (``span_rows``). ``errors`` holds a message for requests whose routes
-    could not be assembled (e.g. evicted prefix objects): the engine recomputes them.
-    ``published``/``lost`` report the store keys written and lost (evicted, dropped, found
-    missing) since the previous output, for the scheduler's ``RouteIndex``.
+    Request ``req_ids[i]`` emitted rows ``lo[i]:hi[i]`` of ``rows`` (the step's snapshot, never
+    copied) for positions starting at ``token_starts[i]``; ``lo[i] == -1`` means it emitted
+    nothing this step. A request in ``heads`` emitted rows from before the step first (e.g. its
+    cached prefix): ``heads[rid] = (head, own)``, the head read back from the store (an array,
+    or ``StoreRows`` still in an in-process store's arena), then its own rows from ``rows[own]``,
+    uncopied; its span lies past ``rows`` as if those followed the head (read it with
+    ``span_rows``). ``errors`` holds a message for requests whose routes could not be assembled
+    (e.g. evicted prefix objects): the engine recomputes them. ``published``/``lost`` report the
+    store keys written and lost (evicted, dropped, found missing) since the previous output, for
+    the scheduler's ``RouteIndex``.
     """
 
     req_ids: list[str]
@@ -51,10 +53,9 @@ class StepOutput:
     hi: np.ndarray
     rows: np.ndarray
     errors: dict[str, str] = field(default_factory=dict)
-    extra: np.ndarray | None = None
     published: list[str] = field(default_factory=list)
     lost: list[str] = field(default_factory=list)
-    heads: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    heads: dict[str, tuple[np.ndarray | StoreRows, int]] = field(default_factory=dict)
     _spans: dict[str, tuple[int, int, int]] | None = None
 
     def span_map(self) -> dict[str, tuple[int, int, int]]:
@@ -79,47 +80,35 @@ class StepOutput:
         if sp is None:
             return None
         rows = self.span_rows(request_id, sp[1], sp[2])
-        return sp[0], np.concatenate(rows) if isinstance(rows, list) else rows
+        return sp[0], join_rows(rows) if isinstance(rows, list) else rows
 
-    def slice(self, lo: int, hi: int) -> np.ndarray:
-        """Rows ``lo:hi`` of ``rows`` followed by ``extra`` (a span never straddles the two; not
-        for the span of a request in ``heads``, see ``span_rows``)."""
+    def span_rows(self, request_id: str, lo: int, hi: int) -> np.ndarray | list[np.ndarray | StoreRows]:
+        """Rows ``lo:hi`` of a request's span: one view of ``rows``, or the parts to join in
+        order (a head, then own rows; a head may be ``StoreRows``: ``auxout.store_rows.join_rows``)."""
         n = len(self.rows)
         if hi <= n:
             return self.rows[lo:hi]
-        assert self.extra is not None
-        return self.extra[lo - n : hi - n]
-
-    def span_rows(self, request_id: str, lo: int, hi: int) -> np.ndarray | list[np.ndarray]:
-        """Rows ``lo:hi`` of a request's span: one view, or two for a head followed by own rows.
-
-        The span of a request in ``heads`` counts as if its own rows followed its head in
-        ``extra`` (so it lies past ``rows``, and ``hi - lo`` is its length); ``heads[rid] = (a,
-        b, own)``: the head is ``extra[a:b]``, its own rows start at ``rows[own]``.
-        """
-        head = self.heads.get(request_id) if self.heads else None
-        n = len(self.rows)
-        if head is None or hi <= n:
-            return self.slice(lo, hi)
-        assert self.extra is not None
-        a, b, own = head
-        lo, hi = lo - n - a, hi - n - a  # offsets into the request's head + own rows
-        n_head = b - a
-        if hi <= n_head:
-            return self.extra[a + lo : a + hi]
-        if lo >= n_head:
-            return self.rows[own + lo - n_head : own + hi - n_head]
-        return [self.extra[a + lo : b], self.rows[own : own + hi - n_head]]
+        head, own = self.heads[request_id]
+        x, y = lo - n, hi - n  # offsets into the request's head + own rows
+        n_head = len(head)
+        if y <= n_head:
+            return [head[x:y]]
+        if x >= n_head:
+            return self.rows[own + x - n_head : own + y - n_head]
+        return [head[x:] if x else head, self.rows[own : own + y - n_head]]
 
     def __getstate__(self) -> tuple:
+        heads = self.heads
+        if heads:  # rows still in an in-process store go as arrays (StoreRows pickles as one)
+            heads = {rid: (h if type(h) is np.ndarray else np.asarray(h), own) for rid, (h, own) in heads.items()}
         return (
-            self.req_ids, self.token_starts, self.lo, self.hi, self.rows, self.errors, self.extra,
-            self.published, self.lost, self.heads,
+            self.req_ids, self.token_starts, self.lo, self.hi, self.rows, self.errors,
+            self.published, self.lost, heads,
         )  # fmt: skip
 
     def __setstate__(self, state: tuple) -> None:
         (
-            self.req_ids, self.token_starts, self.lo, self.hi, self.rows, self.errors, self.extra,
+            self.req_ids, self.token_starts, self.lo, self.hi, self.rows, self.errors,
             self.published, self.lost, self.heads,
         ) = state  # fmt: skip
         self._spans = None

@@ -34,6 +34,7 @@ from auxout.keys_output import KeysPublisher
 from auxout.manifest import RouteManifest
 from auxout.metadata import NO_EMIT, StepMetadata, StepOutput
 from auxout.route_index import ContainsFn, RouteIndex
+from auxout.store_rows import StoreRows, join_rows
 
 OUTPUT_MODES = ("inline", "keys")
 MAX_RECOMPUTES = 8
@@ -212,17 +213,18 @@ class SchedulerConnector:
         assembled (e.g. a prefix block was evicted): fail the request, not the engine.
         """
         got = self.take_output_parts(output, request, finished=finished)
-        return np.concatenate(got) if type(got) is list else got  # type: ignore[return-value]
+        return join_rows(got) if type(got) is list else got  # type: ignore[return-value]
 
     def take_output_parts(
         self, output: StepOutput | None, request: SchedRequest, *, finished: bool = False
-    ) -> np.ndarray | list[np.ndarray] | RouteManifest | None:
-        """``take_output`` without joining: a list of two arrays where the rows come in two parts.
+    ) -> np.ndarray | list[np.ndarray | StoreRows] | RouteManifest | None:
+        """``take_output`` without joining: a list of parts where the rows come in two parts.
 
-        A request that read a cached prefix this step gets its prefix rows, then its own rows (a
-        view of the step's snapshot). An engine that gathers a request's rows over several steps
-        anyway (vLLM's frontend gets them at finish) joins once at the end instead of copying
-        every prefix-hit request's own rows each step. Anything else is as ``take_output``.
+        A request that read a cached prefix this step gets its prefix rows (``StoreRows`` when
+        they are still in an in-process store's arena), then its own rows (a view of the step's
+        snapshot). An engine that gathers a request's rows over several steps anyway (vLLM's
+        frontend gets them at finish) joins once at the end (``auxout.store_rows.join_rows``),
+        which copies each row once. Anything else is as ``take_output``.
         """
         rid = request.request_id
         opts = self._options.get(rid)
@@ -270,12 +272,17 @@ class SchedulerConnector:
         return n_rows  # rows returned as captured (a prefill chunk that sampled nothing)
 
     def _publish_keys(
-        self, rid: str, request: SchedRequest, token_start: int, rows: np.ndarray | list[np.ndarray], finished: bool
+        self,
+        rid: str,
+        request: SchedRequest,
+        token_start: int,
+        rows: np.ndarray | list[np.ndarray | StoreRows],
+        finished: bool,
     ) -> RouteManifest | np.ndarray | None:
         """Keys-only mode: hold the rows; at finish, the manifest (or the exact rows inline)."""
         assert self.publisher is not None
         for part in rows if isinstance(rows, list) else [rows]:
-            self.publisher.add(rid, token_start, part)
+            self.publisher.add(rid, token_start, np.asarray(part))
             token_start += len(part)
         if not finished:
             return None
@@ -309,8 +316,7 @@ class SchedulerConnector:
         spans = output.span_map()
         get_span, get_opt = spans.get, self._options.get
         delivered = self._delivered
-        rows, extra = output.rows, output.extra
-        nrows = len(rows)
+        rows = output.rows
         res: list[np.ndarray | RouteManifest | RoutesUnavailableError | None] = []
         append = res.append
         for r in requests:
@@ -323,11 +329,7 @@ class SchedulerConnector:
             e = r.num_tokens - 1 - t
             if e < 0 or e > hi - lo:
                 return [self._take_or_error(output, q, f) for q, f in zip(requests, fin)]
-            if hi <= nrows:
-                append(rows[lo : lo + e])
-            else:
-                assert extra is not None
-                append(extra[lo - nrows : lo - nrows + e])
+            append(rows[lo : lo + e])  # (no heads: every span is in the snapshot)
             delivered[rid] = t + e
         return res
 

@@ -33,6 +33,7 @@ from auxout.keys import ChainKeys, KeySpace, PackedHashes
 from auxout.metadata import NO_EMIT, StepMetadata, StepOutput
 from auxout.profile import RouteProfile
 from auxout.staging import StagingPool, staging_pool_blocks
+from auxout.store_rows import StoreRows
 from auxout.stores.base import BlockObjects, BlockStore, StoreObject, object_keys, read_into
 
 _I64 = np.int64
@@ -154,7 +155,6 @@ class WorkerConnector:
         self._void_seqs: set[int] = set()  # in-flight steps voided by a generation change
         self._awaiting: set[int] = set()  # finished slots whose teardown waits for in-flight outputs
         self._pin_floor: dict[int, int] = {}  # finished slot -> leading pins handed to a next turn
-        self._no_rows = profile.empty(0)
         self._step_ready = False
         self._seq = 0
         self._closed = False
@@ -162,6 +162,9 @@ class WorkerConnector:
         self._published: list[str] = []  # keys put since the last output
         self._lost: list[str] = []  # keys dropped or found missing since the last output
         self._out_buffers = _BufferRecycler(profile)
+        # prefix reads left in an in-process store's arena (None: the store copies them out)
+        self._read_rows = getattr(store, "read_rows", None)
+        self._block_shape = (block_size, *profile.shape_per_token)
         # staged blocks copied out for publication: reused once the store dropped its views (a
         # queued batch holds them until the writer applied it)
         self._pub_buffers = _BufferRecycler(profile, keep=8, kind="publish")
@@ -623,21 +626,19 @@ class WorkerConnector:
         hi[fast] = qs[fast] + kept[fast]
         self._emit[slots[do_emit]] = end[do_emit]
         errors: dict[str, str] = {}
-        extra = self._no_rows
-        heads: dict[str, tuple[int, int, int]] = {}
+        heads: dict[str, tuple[np.ndarray | StoreRows, int]] = {}
         slow = np.flatnonzero(do_emit & (emit < cap))
         if len(slow):
-            # rows emitted from before this step (cached prefix, earlier chunks) go into one buffer
-            # (the requests' heads), filled straight from the store; their own rows stay in the
-            # snapshot: a two-part span, joined only by whoever needs one array
-            extra = self._out_buffers.take(int((cap[slow] - emit[slow]).sum()))
+            # rows emitted from before this step (cached prefix, earlier chunks) come from the
+            # store (left in an in-process arena where it can: StoreRows), their own rows stay
+            # in the snapshot: a two-part span, joined only by whoever needs one array
             n = len(rows)
-            for i, a, b in self._read_heads(slots, emit, cap, slow, extra, p.req_ids, errors):
-                heads[p.req_ids[i]] = (a, b, int(qs[i]))
-                lo[i] = n + a  # (the span counts as if the own rows followed the head: StepOutput.span_rows)
-                hi[i] = n + b + kept[i]
+            for i, head in self._read_heads(slots, emit, cap, slow, p.req_ids, errors):
+                heads[p.req_ids[i]] = (head, int(qs[i]))
+                lo[i] = n  # (the span counts as if the own rows followed the head: StepOutput.span_rows)
+                hi[i] = n + len(head) + kept[i]
         published, lost = self._route_events()
-        return StepOutput(list(p.req_ids), emit, lo, hi, rows, errors, extra, published, lost, heads)  # emit: a gathered copy
+        return StepOutput(list(p.req_ids), emit, lo, hi, rows, errors, published, lost, heads)  # emit: a gathered copy
 
     def _read_heads(
         self,
@@ -645,16 +646,16 @@ class WorkerConnector:
         emit: np.ndarray,
         cap: np.ndarray,
         slow: np.ndarray,
-        out: np.ndarray,
         req_ids: Sequence[str],
         errors: dict[str, str],
-    ) -> list[tuple[int, int, int]]:
-        """Read rows ``[emit, cap)`` of the requests ``slow`` into ``out``; ``(i, lo, hi)`` per success.
+    ) -> list[tuple[int, np.ndarray | StoreRows]]:
+        """Rows ``[emit, cap)`` of the requests ``slow``: ``(i, head rows)`` per success.
 
         Heads made only of whole stored blocks (a prefix hit: the common case) are read with one
-        store call for the step, in one run at the front of ``out``; the rest (a head starting
-        mid-block, rows still staged) one request at a time. A request whose rows cannot be read
-        gets an entry in ``errors`` and emits nothing.
+        store call for the step: left in the arena of an in-process store (``StoreRows``, copied
+        once, by whoever joins them), else copied into one buffer. The rest (a head starting
+        mid-block, rows still staged) is read one request at a time. A request whose rows cannot
+        be read gets an entry in ``errors`` and emits nothing.
         """
         bs = self.block_size
         keys = self._keys
@@ -665,26 +666,36 @@ class WorkerConnector:
         order = np.concatenate([np.flatnonzero(whole), np.flatnonzero(~whole)])  # whole heads first
         n_before = (c_slow - e_slow)[order]
         ends = np.cumsum(n_before)
-        # per head, in read order: its request's index, slot, rows [e, c) and place [a, b) in `out`
+        # per head, in read order: its request's index, slot, rows [e, c) and place [a, b) in the read
         idx, sl, e, c = slow[order].tolist(), s_slow[order].tolist(), e_slow[order].tolist(), c_slow[order].tolist()
         a_, b_ = (ends - n_before).tolist(), ends.tolist()
         n_whole = int(np.count_nonzero(whole))
+        done: list[tuple[int, np.ndarray | StoreRows]] = []
         first = 0  # heads before this one were read in one batch
-        if n_whole > 1:
+        if n_whole:
             batch: list[str] = []
             for j in range(n_whole):
                 batch.extend(keys[sl[j]][e[j] // bs : c[j] // bs])
             try:
-                self._store_read(batch, out[: b_[n_whole - 1]])
+                got = None if self._read_rows is None else self._read_rows(batch, self.profile.dtype, self._block_shape)
+                if got is not None:
+                    done = [(idx[j], got.blocks(a_[j] // bs, b_[j] // bs)) for j in range(n_whole)]
+                    first = n_whole
+                elif n_whole > 1:
+                    out = self._out_buffers.take(b_[n_whole - 1])
+                    self._store_read(batch, out)
+                    done = [(idx[j], out[a_[j] : b_[j]]) for j in range(n_whole)]
+                    first = n_whole
             except BlockStoreError:
                 pass  # (rare) find out which requests failed: read them one by one below
-            else:
-                first = n_whole
-        done = [(idx[j], a_[j], b_[j]) for j in range(first)]
+        if first < len(idx):
+            out = self._out_buffers.take(b_[-1] - a_[first])
+            base = a_[first]
         for j in range(first, len(idx)):
             s = sl[j]
+            head = out[a_[j] - base : b_[j] - base]
             try:
-                self._read_into(s, e[j], c[j], out[a_[j] : b_[j]])
+                self._read_into(s, e[j], c[j], head)
             except BlockStoreError as exc:
                 errors[req_ids[idx[j]]] = f"{type(exc).__name__}: {exc}"
                 missing = getattr(exc, "keys", None)
@@ -693,7 +704,7 @@ class WorkerConnector:
                 # flight must neither emit nor report the failure again
                 self._emit[s] = NO_EMIT
                 continue
-            done.append((idx[j], a_[j], b_[j]))
+            done.append((idx[j], head))
         return done
 
     def _commit_decode(self, p: PendingStep) -> StepOutput | None:
@@ -763,7 +774,7 @@ class WorkerConnector:
             hi = np.where(do_emit, qs + 1, -1)
             self._emit[slots[do_emit]] = end[do_emit]
         published, lost = self._route_events()
-        return StepOutput(p.req_ids, emit, lo, hi, rows, {}, self._no_rows, published, lost)  # (req_ids: our copy)
+        return StepOutput(p.req_ids, emit, lo, hi, rows, {}, published, lost)  # (req_ids: our copy)
 
     def _pins_after_capture(self, slots: np.ndarray) -> tuple[list[str], list[str]]:
         """Retain/release lists for slots whose capture cursor just moved (already stored in ``_capture``)."""

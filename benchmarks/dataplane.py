@@ -44,6 +44,7 @@ from auxout.keys import KeySpace
 from auxout.metadata import StepOutput
 from auxout.profile import RouteProfile
 from auxout.scheduler_connector import SchedulerConnector
+from auxout.store_rows import join_rows
 from auxout.stores import ArenaStore, BackgroundStore, make_store
 from auxout.worker_connector import WorkerConnector
 
@@ -280,6 +281,10 @@ def build_workload(name: str, rng: np.random.Generator, *, quick: bool = False) 
 
 
 # -- replay -------------------------------------------------------------------------------------
+JOIN = [False]
+"""``--time-join``: every request holds its chunks and joins them when it finishes, inside the timed
+emit (both drivers). By default only verified requests hold chunks and their join is not timed:
+an engine joins a request's rows once when it hands them over, whichever connector produced them."""
 CLOCK: list[Callable[[], float]] = [time.perf_counter]
 """What ``replay`` times with; ``--thread-time`` swaps in the step thread's CPU time, for A/B runs of
 two commits on a shared machine (it leaves out the writer thread and time spent waiting)."""
@@ -296,7 +301,7 @@ class Req:
 
     __slots__ = (
         "request_id", "num_tokens", "num_output_tokens", "num_prompt_tokens", "block_hashes",
-        "sampling_params", "finished", "chunks", "spec",
+        "sampling_params", "finished", "chunks", "spec", "joined",
     )
 
     def __init__(self, spec: Spec) -> None:
@@ -308,7 +313,8 @@ class Req:
         self.block_hashes: list[bytes] = spec.hashes[: spec.prompt_len // BLOCK]
         self.sampling_params = _SamplingParams(0)
         self.finished = False
-        self.chunks: list[np.ndarray] | None = [] if spec.verify else None
+        self.chunks: list[np.ndarray] | None = [] if spec.verify or JOIN[0] else None
+        self.joined: np.ndarray | None = None
 
     def is_finished(self) -> bool:
         return self.finished
@@ -330,6 +336,14 @@ def _hold(chunks: list[np.ndarray], parts: object) -> None:
         chunks.extend(parts)
     elif isinstance(parts, np.ndarray):
         chunks.append(parts)
+
+
+def _join_finished(finished: list[Req]) -> None:
+    """``--time-join``: the hand-over join of each finished request (timed, both drivers)."""
+    if JOIN[0]:
+        for r in finished:
+            if r.chunks:
+                r.joined = join_rows(r.chunks)
 
 
 class AuxoutDriver:
@@ -376,6 +390,7 @@ class AuxoutDriver:
             parts = take(out, r)
             if r.chunks is not None:
                 _hold(r.chunks, parts)
+        _join_finished(finished)
         for r in finished:
             self.sched.request_finished(r)
 
@@ -458,6 +473,7 @@ class VllmDriver:
             chunk = take(r, out)
             if r.chunks is not None and chunk is not None:
                 r.chunks.append(chunk)
+        _join_finished(finished)
         for r in finished:
             self.sched.request_finished(r)
 
@@ -535,7 +551,7 @@ def replay(wl: Workload, make: Callable[[], Driver], verify: bool) -> RunResult:
             if r.chunks is None or r.num_output_tokens == 0:
                 continue
             want = r.spec.rows[0 : r.num_tokens - 1]
-            got = np.concatenate(r.chunks) if r.chunks else PROFILE.empty(0)
+            got = r.joined if r.joined is not None else join_rows(r.chunks) if r.chunks else PROFILE.empty(0)
             if got.dtype != want.dtype or got.shape != want.shape or not np.array_equal(got, want):
                 res.mismatches.append(f"{r.request_id}: got {got.shape}, want {want.shape}")
     return res
@@ -641,7 +657,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--only", choices=WORKLOADS, action="append")
     ap.add_argument("--sync-store", action="store_true", help="also run auxout without the writer thread")
     ap.add_argument("--thread-time", action="store_true", help="time the step thread's CPU time, not wall time")
+    ap.add_argument("--time-join", action="store_true", help="also time each request's hand-over join (both drivers)")
     args = ap.parse_args(argv)
+    JOIN[0] = args.time_join
     if args.thread_time:
         CLOCK[0] = time.thread_time
     repeats = args.repeats or (2 if args.quick else 5)

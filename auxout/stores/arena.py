@@ -10,11 +10,13 @@ rolled back) and a read of a missing key raises, naming it.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 
 from auxout.errors import CorruptObjectError, StoreClosedError
+from auxout.store_rows import StoreRows
 from auxout.stores.base import BlockObjects, StoreObject
 from auxout.stores.policy import EvictionPolicy
 from auxout.stores.slots import SlotIndex, write_slots
@@ -38,6 +40,12 @@ class ArenaStore:
         self._index = SlotIndex(self.num_slots, "route store (ArenaStore)", policy)
         self._lru = self._index.lru  # oldest first; value = slot (read by tests and metrics)
         self._lock = threading.Lock()
+        # rows handed out uncopied (``read_rows``): the arena view each read made and its slots,
+        # and per slot how many of those views may still be alive (counted down when pruned)
+        self._exports: list[tuple[weakref.ref[np.ndarray], np.ndarray]] = []
+        self._view_count = np.zeros(self.num_slots, dtype=np.int32)
+        self._prune_at = 64
+        self._index.viewed = self._viewed
 
     # -- introspection (tests, metrics) -------------------------------------------------
     def __len__(self) -> int:
@@ -116,6 +124,49 @@ class ArenaStore:
                 for s, n in zip(slots, lengths.tolist()):
                     dst[pos : pos + n] = arena[s, :n]
                     pos += n
+
+    def read_rows(self, keys: Sequence[str], dtype: np.dtype, shape: tuple[int, ...]) -> StoreRows | None:
+        """The objects of ``keys`` as rows of ``shape`` (one block each) left in the arena, no copy.
+
+        None when the objects are not exactly one block each (read them with ``read_into``). The
+        slots stay out of reuse while the returned rows (or a slice of them) are alive, even if
+        their keys are evicted meanwhile.
+        """
+        with self._lock:
+            arena = self._check_open()
+            if dtype.itemsize * int(np.prod(shape)) != self.object_nbytes or not keys:
+                return None
+            slots = self._index.lookup(keys)
+            idx = np.asarray(slots, dtype=np.int64)
+            if self._short and np.count_nonzero(self._lengths[idx] != self.object_nbytes):
+                return None
+            # a fresh array over the arena per read: its lifetime is this read's (weakly tracked)
+            src = np.frombuffer(arena.data, dtype=np.uint8).view(dtype).reshape(self.num_slots, *shape)
+            np.add.at(self._view_count, idx, 1)
+            self._exports.append((weakref.ref(src), idx))
+            if len(self._exports) >= self._prune_at:
+                self._prune()
+                self._prune_at = max(64, 2 * len(self._exports))
+            return StoreRows(src, idx)
+
+    def _prune(self) -> None:
+        """Forget reads whose rows nobody holds any more."""
+        live = []
+        for ref, idx in self._exports:
+            if ref() is None:
+                np.subtract.at(self._view_count, idx, 1)
+            else:
+                live.append((ref, idx))
+        self._exports = live
+
+    def _viewed(self, slots: list[int]) -> list[int]:
+        """Those of ``slots`` some ``read_rows`` result still reads (asked when evicting)."""
+        if not self._exports:
+            return []
+        self._prune()
+        if not self._exports:
+            return []
+        return [s for s, n in zip(slots, self._view_count[slots].tolist()) if n]
 
     def drain_lost(self) -> list[str]:
         """Keys evicted since the last call, for the scheduler's view of readable routes."""

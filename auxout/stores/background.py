@@ -22,6 +22,8 @@ import threading
 from collections import deque
 from collections.abc import Iterable, Sequence
 
+import numpy as np
+
 from auxout.errors import (
     BlockStoreError,
     PublicationError,
@@ -29,6 +31,7 @@ from auxout.errors import (
     StoreClosedError,
     StoreUnavailableError,
 )
+from auxout.store_rows import StoreRows
 from auxout.stores.base import (
     BlockStore,
     StoreObject,
@@ -110,6 +113,14 @@ class BackgroundStore:
         """Copy payloads into ``out`` (inner ``read_into`` when it has one)."""
         self._drain_for(keys)
         read_into(self.inner, keys, out)
+
+    def read_rows(self, keys: Sequence[str], dtype: np.dtype, shape: tuple[int, ...]) -> StoreRows | None:
+        """The inner store's uncopied rows (``ArenaStore.read_rows``), None where it has none."""
+        inner = getattr(self.inner, "read_rows", None)
+        if inner is None:
+            return None
+        self._drain_for(keys)
+        return inner(keys, dtype, shape)  # type: ignore[no-any-return]
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
         self._drain_for(keys)

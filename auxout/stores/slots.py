@@ -11,7 +11,7 @@ A batch that cannot fit is rejected whole: keys it registered are rolled back an
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import filterfalse, islice
 
 import numpy as np
@@ -39,6 +39,10 @@ class SlotIndex:
         self.free: list[int] = []
         self.next_slot = 0
         self.lost: deque[str] = deque()  # evicted keys not yet drained (see ``drain_lost``)
+        # slots a reader still views uncopied (``ArenaStore.read_rows``): an evicted key's slot
+        # waits in ``quarantine`` until nobody reads it, instead of going to ``free``
+        self.viewed: Callable[[list[int]], list[int]] | None = None
+        self.quarantine: list[int] = []
 
     def plan_put(
         self, objects: Sequence[StoreObject], retain: Iterable[str], release: Iterable[str], object_nbytes: int
@@ -50,6 +54,8 @@ class SlotIndex:
         ``payloads`` is None when ``objects`` is a ``BlockObjects`` batch written whole, in order:
         the caller copies its arrays (``write_slots``).
         """
+        if self.quarantine:
+            self._reclaim()
         trusted = trusted_batch(objects, object_nbytes)
         unique: dict[str, memoryview | None]
         if trusted:
@@ -83,7 +89,7 @@ class SlotIndex:
             deque(map(lru.move_to_end, filter(lru.__contains__, terminal)), 0)
         freed: list[int] = []
         all_fresh = len(fresh) == len(unique)
-        excess = len(lru) - self.num_slots
+        excess = len(lru) + len(self.quarantine) - self.num_slots
         if excess > 0:
             terminal_set = set(terminal)
             freed = self._evict(excess, unique.keys() - terminal_set, unique)
@@ -104,7 +110,7 @@ class SlotIndex:
         if terminal:
             deque(map(lru.move_to_end, filter(lru.__contains__, terminal)), 0)
         freed: list[int] = []
-        excess = len(lru) + len(fresh) - self.num_slots
+        excess = len(lru) + len(fresh) + len(self.quarantine) - self.num_slots
         if excess > 0:
             freed = self._evict(excess, set(), {})  # the new keys are not in the LRU yet
         slots = self._take_slots(len(fresh))
@@ -162,6 +168,7 @@ class SlotIndex:
         self.lru.clear()
         self.refs.clear()
         self.lost.clear()
+        self.quarantine.clear()
     def _apply_refs(self, retain: Iterable[str], release: Iterable[str]) -> list[str]:
         """Retains, then releases, without a policy to notify; returns keys released to zero.
 
@@ -285,11 +292,25 @@ class SlotIndex:
                 "(raise max_bytes, or lower max_num_seqs / KV cache size)"
             )
         freed = [s for s in map(lru.pop, victims) if s != UNWRITTEN]
-        self.free.extend(freed)
         self.lost.extend(victims)
         if self.policy is not None:
             self.policy.on_remove(victims, "eviction")
+        held = self.viewed(freed) if self.viewed is not None and freed else None
+        if held:
+            # still read through a view: the slot cannot take new data yet, so evict one more
+            busy = set(held)
+            freed = [s for s in freed if s not in busy]
+            self.quarantine.extend(held)
+            self.free.extend(freed)
+            return freed + self._evict(len(held), protected, unique)
+        self.free.extend(freed)
         return freed
+
+    def _reclaim(self) -> None:
+        """Quarantined slots nobody views any more become free."""
+        busy = set(self.viewed(self.quarantine)) if self.viewed is not None else set()
+        self.free.extend(s for s in self.quarantine if s not in busy)
+        self.quarantine = [s for s in self.quarantine if s in busy]
 
 
 def _cancel_pairs(refs: dict[str, int], retain: list[str], release: list[str]) -> tuple[list[str], list[str]]:

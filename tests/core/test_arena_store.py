@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -10,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as hs
 
 from auxout.errors import InvariantError, ObjectMissingError, StoreCapacityError, StoreClosedError
+from auxout.store_rows import join_rows
 from auxout.stores import ArenaStore, BlockStore, LRUPolicy, make_store
 from auxout.stores.base import BlockObjects, object_keys
 from auxout.stores.policy import RemoveReason
@@ -538,3 +540,71 @@ def test_pins_at_the_old_end_are_scanned_once_not_by_every_eviction() -> None:
     assert examined[0] >= 1_500, "the first eviction scans past the pins once"
     assert max(examined[1:]) < 300, f"later evictions examine about the keys they evict, not the pins: {examined}"
     assert all(k in index.refs for k in keys[:1_500]) and len(index.lru) == 2_000
+
+
+# -- rows handed out uncopied (read_rows): their slots are never reused while read ---------------
+
+_rows_op = hs.one_of(
+    hs.tuples(
+        hs.just("put"), hs.lists(hs.sampled_from("abcdefgh"), max_size=4),
+        hs.lists(hs.sampled_from("abcdefgh"), max_size=3), hs.lists(hs.sampled_from("abcdefgh"), max_size=3),
+    ),
+    hs.tuples(hs.just("read"), hs.lists(hs.sampled_from("abcdefgh"), min_size=1, max_size=3)),
+    hs.tuples(hs.just("drop"), hs.integers(0, 7)),
+)  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(hs.lists(_rows_op, max_size=30))
+def test_rows_read_uncopied_stay_exact_whatever_the_store_evicts(ops: list[tuple]) -> None:
+    """Held ``read_rows`` results always hold the bytes written for their keys, however much is
+    evicted and rewritten meanwhile; quarantined slots come back once nothing reads them."""
+
+
+    store = store_of(4)
+    held: list[tuple[list[str], object]] = []
+    for op in ops:
+        if op[0] == "put":
+            _, objects, retain, release = op
+            left = dict(store._index.refs)  # release only references someone holds
+            release = [k for k in release if left.get(k, 0) > 0 and not left.__setitem__(k, left[k] - 1)]
+            with contextlib.suppress(StoreCapacityError):  # (rejected whole: nothing written)
+                store.put([(k, payload(ord(k))) for k in objects], retain=retain, release=release)
+                # a put reclaims first: only slots that held rows still read stay quarantined
+                assert set(store._index.quarantine) <= {s for _, r in held for s in r.slots.tolist()}  # type: ignore[attr-defined]
+        elif op[0] == "read":
+            try:
+                got = store.read_rows(op[1], np.dtype(np.uint8), (N,))
+            except ObjectMissingError:
+                continue
+            assert got is not None
+            held.append((op[1], got))
+            del got
+        elif held:
+            held.pop(op[1] % len(held))
+        for keys, rows in held:
+            assert join_rows([rows]).tobytes() == b"".join(payload(ord(k)) for k in keys)  # type: ignore[list-item]
+        rows = None  # (the loop variable would keep the last one alive)
+        index = store._index
+        assert len(index.lru) + len(index.quarantine) <= index.num_slots
+    held.clear()
+    store.put([], release=[k for k, n in store._index.refs.items() for _ in range(n)])
+    store.put([("z", payload(1))])
+    assert store._index.quarantine == []
+
+
+def test_a_quarantined_slot_returns_when_its_reader_goes_while_others_still_read() -> None:
+    store = store_of(4)
+    store.put([(k, payload(ord(k))) for k in "abcd"])
+    u8 = np.dtype(np.uint8)
+    first, second = store.read_rows(["a", "b"], u8, (N,)), store.read_rows(["c", "d"], u8, (N,))
+    assert first is not None and second is not None
+    with pytest.raises(StoreCapacityError):  # every slot is read: nothing can be overwritten
+        store.put([(k, payload(ord(k))) for k in "efgh"])
+    assert sorted(store._index.quarantine) == sorted(first.slots.tolist() + second.slots.tolist())
+    gone = set(first.slots.tolist())
+    del first
+    store.put([("e", payload(ord("e"))), ("f", payload(ord("f")))])  # take the slots a and b had
+    assert sorted(store._index.quarantine) == sorted(second.slots.tolist())
+    assert {store._lru["e"], store._lru["f"]} == gone
+    assert join_rows([second]).tobytes() == payload(ord("c")) + payload(ord("d"))

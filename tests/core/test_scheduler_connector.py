@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import numpy as np
 import pytest
 from fake_requests import Req, h
@@ -12,6 +14,8 @@ from auxout.errors import InvariantError, RequestValidationError, RoutesUnavaila
 from auxout.metadata import NO_EMIT, StepOutput
 from auxout.profile import RouteProfile
 from auxout.scheduler_connector import SchedulerConnector, validate_prompt_start
+from auxout.store_rows import StoreRows, join_rows
+from auxout.stores import ArenaStore
 from auxout.testing import FakeMoE
 
 PROF = RouteProfile(num_layers=3, top_k=2, num_experts=16)
@@ -390,8 +394,6 @@ def test_reset_bumps_generation_and_re_sends_everything() -> None:
 
 
 def test_step_output_survives_pickling_for_ipc() -> None:
-    import pickle
-
     sc = SchedulerConnector()
     out = output({"a": (0, ROWS[:3]), "b": (4, ROWS[4:6])}, errors={"c": "ObjectMissingError: gone"})
     assert out.rows_for("a") is not None  # build the span cache before pickling
@@ -437,44 +439,61 @@ def test_take_outputs_equals_per_request_calls() -> None:
             assert (a is None and b is None) or np.array_equal(a, b)
 
 
+def store_head(rows: np.ndarray, bs: int) -> StoreRows:
+    """``rows`` (padded to whole blocks of ``bs``) written to an ``ArenaStore`` and read back
+    uncopied, sliced to ``len(rows)``: a head as the worker hands it over from an in-process store."""
+    n_blocks = -(-len(rows) // bs)
+    padded = np.concatenate([rows, ROWS[: n_blocks * bs - len(rows)]])
+    nbytes = bs * PROF.token_nbytes
+    store = ArenaStore(max_bytes=8 * n_blocks * nbytes, object_nbytes=nbytes)
+    keys = [f"k{b}" for b in range(n_blocks)]
+    store.put([(k, padded[b * bs : (b + 1) * bs].tobytes()) for b, k in enumerate(keys)])
+    got = store.read_rows(keys[::-1], PROF.dtype, (bs, *PROF.shape_per_token))  # slots out of key order
+    assert got is not None
+    whole = StoreRows(got.src, got.slots[::-1].copy())
+    return whole[: len(rows)]
+
+
+@pytest.mark.parametrize("kind", ["array", "store"])
 @pytest.mark.parametrize("num_tokens", [3, 5, 6, 9, 10])
-def test_a_two_part_output_is_clipped_and_joined_like_one(num_tokens: int) -> None:
-    """A prefix hit's rows come as a head (``extra``) plus its own rows (the snapshot)."""
+def test_a_two_part_output_is_clipped_and_joined_like_one(num_tokens: int, kind: str) -> None:
+    """A prefix hit's rows come as a head (an array, or rows left in the store) plus its own rows."""
     head, own = ROWS[:5], ROWS[5:9]
-    # the span counts as if the own rows followed the head in ``extra``: [4 + 0, 4 + 5 + 4)
-    out = StepOutput(
-        ["r"], np.array([0]), np.array([4]), np.array([13]), own.copy(), extra=head.copy(), heads={"r": (0, 5, 0)}
-    )
+    h = head.copy() if kind == "array" else store_head(head, 2)
+    # the span counts as if the own rows followed the head: [4 + 0, 4 + 5 + 4)
+    out = StepOutput(["r"], np.array([0]), np.array([4]), np.array([13]), own.copy(), heads={"r": (h, 0)})
     sc = SchedulerConnector()
     r = Req("r", num_tokens=num_tokens, num_output_tokens=1)
     want = ROWS[: min(num_tokens - 1, 9)]
     got = sc.take_output(out, r, finished=num_tokens <= 10)
-    assert got is not None and np.array_equal(got, want)
+    assert isinstance(got, np.ndarray) and np.array_equal(got, want)
     parts = SchedulerConnector().take_output_parts(out, r, finished=num_tokens <= 10)
-    if num_tokens - 1 <= 5:  # clipped inside the head: one array
-        assert isinstance(parts, np.ndarray) and np.array_equal(parts, want)
-    else:
-        assert isinstance(parts, list) and len(parts) == 2 and np.array_equal(np.concatenate(parts), want)
+    assert isinstance(parts, list) and len(parts) == (1 if num_tokens - 1 <= 5 else 2)  # clipped inside the head: one
+    assert np.array_equal(join_rows(parts), want)
     joined = out.rows_for("r")
     assert joined is not None and joined[0] == 0 and np.array_equal(joined[1], ROWS[:9])
+    back = pickle.loads(pickle.dumps(out))  # another process gets plain arrays
+    assert all(type(x) is np.ndarray for x in back.heads["r"][:1])
+    got = SchedulerConnector().take_output(back, r, finished=num_tokens <= 10)
+    assert isinstance(got, np.ndarray) and np.array_equal(got, want)
 
 
 def test_a_two_part_output_past_its_rows_is_an_error_for_a_finished_request() -> None:
-    out = StepOutput(
-        ["r"], np.array([0]), np.array([2]), np.array([7]), ROWS[3:5].copy(), extra=ROWS[:3].copy(), heads={"r": (0, 3, 0)}
-    )
+    out = StepOutput(["r"], np.array([0]), np.array([2]), np.array([7]), ROWS[3:5].copy(), heads={"r": (ROWS[:3].copy(), 0)})
     with pytest.raises(InvariantError, match=r"rows cover \[0, 5\)"):
         SchedulerConnector().take_output(out, Req("r", num_tokens=7, num_output_tokens=1), finished=True)
 
 
-@given(st.integers(0, 6), st.integers(0, 6), st.integers(0, 4), st.data())
-def test_span_rows_of_a_head_and_own_rows_equal_the_joined_rows(n_head: int, n_own: int, pad: int, data) -> None:  # type: ignore[no-untyped-def]
-    extra, rows = ROWS[: pad + n_head + 2], ROWS[20 : 24 + n_own]  # head at extra[pad:], own at rows[1:]
-    out = StepOutput(["r"], np.array([0]), np.array([0]), np.array([0]), rows, extra=extra, heads={"r": (pad, pad + n_head, 1)})
-    joined = np.concatenate([extra[pad : pad + n_head], rows[1 : 1 + n_own]])
+@given(st.integers(0, 6), st.integers(0, 6), st.sampled_from([0, 1, 2, 3]), st.data())
+def test_span_rows_of_a_head_and_own_rows_equal_the_joined_rows(n_head: int, n_own: int, bs: int, data) -> None:  # type: ignore[no-untyped-def]
+    """Any sub-span of a head (an array, or StoreRows in blocks of ``bs``) and own rows joins to the same rows."""
+    head_rows, rows = ROWS[5 : 5 + n_head], ROWS[20 : 24 + n_own]  # own rows at rows[1:]
+    head = head_rows.copy() if bs == 0 or n_head == 0 else store_head(head_rows, bs)
+    n = len(rows)
+    out = StepOutput(["r"], np.array([0]), np.array([n]), np.array([n + n_head + n_own]), rows, heads={"r": (head, 1)})
+    joined = np.concatenate([head_rows, rows[1 : 1 + n_own]])
     lo = data.draw(st.integers(0, n_head + n_own))
     hi = data.draw(st.integers(lo, n_head + n_own))
-    base = len(rows) + pad
-    got = out.span_rows("r", base + lo, base + hi)
-    got = np.concatenate(got) if isinstance(got, list) else got
+    got = out.span_rows("r", n + lo, n + hi)
+    got = join_rows(got) if isinstance(got, list) else got
     assert got.shape == joined[lo:hi].shape and np.array_equal(got, joined[lo:hi])

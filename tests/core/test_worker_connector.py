@@ -17,6 +17,7 @@ from auxout.keys import KeySpace, PackedHashes
 from auxout.metadata import StepMetadata, StepOutput
 from auxout.profile import RouteProfile
 from auxout.scheduler_connector import SchedulerConnector
+from auxout.store_rows import StoreRows, join_rows
 from auxout.stores import ArenaStore, BackgroundStore
 from auxout.testing import FakeMoE
 from auxout.worker_connector import PendingStep, WorkerConnector
@@ -77,10 +78,25 @@ class SpyStore:
         return self.inner.references(k)
 
 
+class RowsSpyStore(SpyStore):
+    """A ``SpyStore`` that also hands out rows uncopied (``ArenaStore.read_rows``)."""
+
+    def read_rows(self, keys: Sequence[str], dtype: np.dtype, shape: tuple[int, ...]) -> StoreRows | None:
+        self.gets.append(list(keys))
+        return self.inner.read_rows(keys, dtype, shape)  # type: ignore[no-any-return]
+
+
 def make(
-    capacity: int = 64, *, mcb: int = 1, max_num_seqs: int = 4, max_num_batched_tokens: int = 32, store=None
+    capacity: int = 64,
+    *,
+    mcb: int = 1,
+    max_num_seqs: int = 4,
+    max_num_batched_tokens: int = 32,
+    store=None,  # type: ignore[no-untyped-def]
+    rows: bool = False,
 ) -> tuple[WorkerConnector, SpyStore]:
-    spy = SpyStore(store if store is not None else ArenaStore(capacity * OBJ, OBJ))
+    """A worker on a spied store (``rows``: prefix reads left in the arena, as the engine's default store)."""
+    spy = (RowsSpyStore if rows else SpyStore)(store if store is not None else ArenaStore(capacity * OBJ, OBJ))
     w = WorkerConnector(
         PROF,
         block_size=BS,
@@ -892,8 +908,9 @@ def _publish_chain(w: WorkerConnector, rid: str, ids: list[int], t: np.ndarray) 
     w.begin_step(meta(finished=(rid,)))
 
 
-def test_prefix_hits_of_a_step_are_read_together_and_own_rows_stay_in_the_snapshot() -> None:
-    w, spy = make()
+@pytest.mark.parametrize("uncopied", [False, True])
+def test_prefix_hits_of_a_step_are_read_together_and_own_rows_stay_in_the_snapshot(uncopied: bool) -> None:
+    w, spy = make(rows=uncopied)
     t0, t1 = oracle(80), oracle(81)
     _publish_chain(w, "p0", [1, 2], t0)
     _publish_chain(w, "p1", [3, 4], t1)
@@ -906,11 +923,35 @@ def test_prefix_hits_of_a_step_are_read_together_and_own_rows_stay_in_the_snapsh
     assert_emits(out, "z", 2, t0[2:9])
     assert spy.gets[0] == [key(1), key(2), key(3), key(4)]  # one store read for both whole heads
     assert len(spy.gets) == 2  # and one for z's
-    assert out.extra is not None and len(out.extra) == 8 + 8 + 6  # heads only: own rows are not copied
     for rid in ("x", "y", "z"):
         _, lo, hi = out.span_map()[rid]
         head, own = out.span_rows(rid, lo, hi)
-        assert np.shares_memory(head, out.extra) and np.shares_memory(own, out.rows)
+        assert np.shares_memory(own, out.rows)  # own rows are not copied
+        # whole heads stay in the store's arena when it can leave them there (copied once, when joined)
+        assert isinstance(head, StoreRows) == (uncopied and rid != "z")
+
+
+def test_uncopied_prefix_rows_stay_exact_after_their_request_ends_and_the_store_evicts_them() -> None:
+    """Rows handed out uncopied outlive their pins: the store must not reuse their slots."""
+    w, spy = make(capacity=6, rows=True, max_num_seqs=8)
+    t0 = oracle(84)
+    _publish_chain(w, "p0", [1, 2], t0)
+    out = run(w, meta({"x": 0}, {"x": [1, 2]}), [("x", 8, t0[8:10])], [1])
+    _, lo, hi = out.span_map()["x"]
+    parts = out.span_rows("x", lo, hi)
+    assert isinstance(parts, list) and isinstance(parts[0], StoreRows)
+    held = parts[0]  # an engine holds this until the request finishes (or longer, preempted)
+    del out, parts
+    w.begin_step(meta(finished=["x"]))  # x's pins go: keys 1 and 2 are now evictable
+    for n in range(3):  # 3 more chains of 2 blocks into the 6-slot store: the oldest (x's) go first
+        _publish_chain(w, f"f{n}", [10 + 2 * n, 11 + 2 * n], oracle(90 + n))
+    assert spy.inner.contains([key(1), key(2)]) == [False, False]  # evicted (else the test proves nothing)
+    assert np.array_equal(join_rows([held]), t0[:8])
+    assert len(spy.inner._index.quarantine) == 2  # their slots wait for the reader
+    assert np.array_equal(stored(spy, key(14), key(15)), oracle(92)[:8].tobytes())  # the newest took other slots
+    del held
+    _publish_chain(w, "after", [70, 71], oracle(95))
+    assert not spy.inner._index.quarantine  # reused once nobody reads them
 
 
 def test_a_failed_batched_prefix_read_fails_only_the_request_whose_blocks_are_gone() -> None:

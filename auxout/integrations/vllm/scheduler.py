@@ -47,6 +47,7 @@ from auxout.manifest import RouteManifest
 from auxout.metadata import StepOutput
 from auxout.profile import WEIGHT_DTYPE, has_weights, id_dtype_for, rows_as_bytes
 from auxout.scheduler_connector import SchedulerConnector
+from auxout.store_rows import StoreRows
 from auxout.stores import BlockStore, make_store
 
 logger = logging.getLogger("vllm.auxout")  # under vLLM's logger: its handlers and format
@@ -220,7 +221,7 @@ class SchedulerBridge:
             if parts is not None and not isinstance(parts, RouteManifest):
                 self._hold(rid, parts)
 
-    def _hold(self, rid: str, parts: np.ndarray | list[np.ndarray]) -> None:
+    def _hold(self, rid: str, parts: np.ndarray | list[np.ndarray | StoreRows]) -> None:
         """Hold a step's rows (a prefix hit's come in two parts: joined once, when handed over)."""
         if isinstance(parts, list):
             for rows in parts:
