@@ -9,6 +9,7 @@ rolled back) and a read of a missing key raises, naming it.
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from collections.abc import Iterable, Sequence
@@ -40,9 +41,11 @@ class ArenaStore:
         self._index = SlotIndex(self.num_slots, "route store (ArenaStore)", policy)
         self._lru = self._index.lru  # oldest first; value = slot (read by tests and metrics)
         self._lock = threading.Lock()
-        # rows handed out uncopied (``read_rows``): the arena view each read made and its slots,
-        # and per slot how many of those views may still be alive (counted down when pruned)
-        self._exports: list[tuple[weakref.ref[np.ndarray], np.ndarray]] = []
+        # rows handed out uncopied (``read_rows``): the arena view each read made and its slots.
+        # Reads only append; most are dropped before any eviction asks, so a read is counted per
+        # slot (``_view_count``) only once an eviction finds it still alive.
+        self._fresh: list[tuple[weakref.ref[np.ndarray], np.ndarray]] = []
+        self._counted: list[tuple[weakref.ref[np.ndarray], np.ndarray]] = []
         self._view_count = np.zeros(self.num_slots, dtype=np.int32)
         self._prune_at = 64
         self._index.viewed = self._viewed
@@ -134,7 +137,7 @@ class ArenaStore:
         """
         with self._lock:
             arena = self._check_open()
-            if dtype.itemsize * int(np.prod(shape)) != self.object_nbytes or not keys:
+            if dtype.itemsize * math.prod(shape) != self.object_nbytes or not keys:
                 return None
             slots = self._index.lookup(keys)
             idx = np.asarray(slots, dtype=np.int64)
@@ -142,29 +145,27 @@ class ArenaStore:
                 return None
             # a fresh array over the arena per read: its lifetime is this read's (weakly tracked)
             src = np.frombuffer(arena.data, dtype=np.uint8).view(dtype).reshape(self.num_slots, *shape)
-            np.add.at(self._view_count, idx, 1)
-            self._exports.append((weakref.ref(src), idx))
-            if len(self._exports) >= self._prune_at:
-                self._prune()
-                self._prune_at = max(64, 2 * len(self._exports))
+            self._fresh.append((weakref.ref(src), idx))
+            if len(self._fresh) >= self._prune_at:
+                self._fresh = [e for e in self._fresh if e[0]() is not None]
+                self._prune_at = max(64, 2 * len(self._fresh))
             return StoreRows(src, idx)
 
-    def _prune(self) -> None:
-        """Forget reads whose rows nobody holds any more."""
+    def _viewed(self, slots: list[int]) -> list[int]:
+        """Those of ``slots`` some ``read_rows`` result still reads (asked when evicting)."""
+        if not self._fresh and not self._counted:
+            return []
         live = []
-        for ref, idx in self._exports:
+        for ref, idx in self._counted:
             if ref() is None:
                 np.subtract.at(self._view_count, idx, 1)
             else:
                 live.append((ref, idx))
-        self._exports = live
-
-    def _viewed(self, slots: list[int]) -> list[int]:
-        """Those of ``slots`` some ``read_rows`` result still reads (asked when evicting)."""
-        if not self._exports:
-            return []
-        self._prune()
-        if not self._exports:
+        fresh = [e for e in self._fresh if e[0]() is not None]
+        if fresh:
+            np.add.at(self._view_count, np.concatenate([e[1] for e in fresh]), 1)
+        self._counted, self._fresh = live + fresh, []
+        if not self._counted:
             return []
         return [s for s, n in zip(slots, self._view_count[slots].tolist()) if n]
 
