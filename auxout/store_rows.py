@@ -62,10 +62,10 @@ class StoreRows:
         return StoreRows(self.src, self.slots[b0 : -(-hi // bs)], lo - b0 * bs, hi - b0 * bs)
 
     def copy_into(self, out: np.ndarray) -> None:
-        """Gather the rows into ``out`` (``len(self)`` rows, C-contiguous): one copy."""
+        """Gather the rows into ``out`` (``len(self)`` rows): one copy when ``out`` is C-contiguous."""
         bs = self.src.shape[1]
         lo, hi = self.lo, self.hi
-        if lo % bs == 0 and hi % bs == 0:
+        if lo % bs == 0 and hi % bs == 0 and out.flags.c_contiguous:  # (else reshape would copy)
             n = hi // bs - lo // bs
             np.take(self.src, self.slots[lo // bs : hi // bs], axis=0, out=out.reshape(n, *self.src.shape[1:]), mode="clip")
             return

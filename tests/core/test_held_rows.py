@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -42,3 +44,23 @@ def test_requests_are_independent_and_discard_forgets() -> None:
     assert out is not None and out[:, 0, 0].tolist() == [0, 0, 5, 5]
     with pytest.raises(ValueError, match="compact_every"):
         HeldRows(compact_every=1)
+
+
+def test_store_rows_gather_into_any_destination_and_join_with_arrays() -> None:
+    """``StoreRows`` slices gather exactly, into contiguous and strided destinations alike."""
+    from auxout.store_rows import StoreRows, join_rows
+
+    rng = np.random.default_rng(4)
+    arena = rng.integers(0, 255, (6, 4, 3, 2), dtype=np.uint8)  # 6 slots of 4-row blocks
+    slots = np.array([5, 0, 3], dtype=np.int64)
+    whole = StoreRows(arena, slots)
+    flat = arena[slots].reshape(12, 3, 2)
+    for lo, hi in [(0, 12), (4, 8), (1, 11), (3, 3), (5, 12)]:
+        part = whole[lo:hi]
+        assert np.array_equal(np.asarray(part), flat[lo:hi])
+        strided = np.zeros((hi - lo, 3, 4), dtype=np.uint8)[:, :, ::2]  # not C-contiguous
+        part.copy_into(strided)
+        assert np.array_equal(strided, flat[lo:hi])
+    own = rng.integers(0, 255, (2, 3, 2), dtype=np.uint8)
+    assert np.array_equal(join_rows([whole[2:9], own, whole[:1]]), np.concatenate([flat[2:9], own, flat[:1]]))
+    assert np.array_equal(pickle.loads(pickle.dumps(whole[1:7])), flat[1:7])
