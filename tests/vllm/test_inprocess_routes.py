@@ -45,6 +45,13 @@ def llm(model_path: str):
             del os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]
         else:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
+        # an in-process engine core freezes vLLM's environment variables in this process: thaw
+        # them, or every later module's engine would be built in-process too
+        import vllm.envs
+
+        vllm.envs.disable_envs_cache()
+    multiproc = vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING
+    assert multiproc is (old != "0"), "vLLM's environment stayed frozen"
     yield engine
     close_llm(engine)
 
