@@ -45,12 +45,6 @@ class StoreRows:
     def shape(self) -> tuple[int, ...]:
         return (self.hi - self.lo, *self.src.shape[2:])
 
-    def blocks(self, b0: int, b1: int) -> StoreRows:
-        """Whole blocks ``b0:b1`` of a block-aligned ``StoreRows`` (one read split per request)."""
-        bs = self.src.shape[1]
-        assert self.lo == 0 and self.hi == len(self.slots) * bs, "blocks() of a sliced StoreRows"
-        return StoreRows(self.src, self.slots[b0:b1])
-
     def __getitem__(self, key: slice) -> StoreRows:
         if not isinstance(key, slice) or key.step not in (None, 1):
             raise TypeError(f"StoreRows supports contiguous slices only, got {key!r}")

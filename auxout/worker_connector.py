@@ -679,7 +679,7 @@ class WorkerConnector:
             try:
                 got = None if self._read_rows is None else self._read_rows(batch, self.profile.dtype, self._block_shape)
                 if got is not None:
-                    done = [(idx[j], got.blocks(a_[j] // bs, b_[j] // bs)) for j in range(n_whole)]
+                    done = [(idx[j], got[a_[j] : b_[j]]) for j in range(n_whole)]
                     first = n_whole
                 elif n_whole > 1:
                     out = self._out_buffers.take(b_[n_whole - 1])

@@ -147,7 +147,7 @@ class ArenaStore:
             src = np.frombuffer(arena.data, dtype=np.uint8).view(dtype).reshape(self.num_slots, *shape)
             self._fresh.append((weakref.ref(src), idx))
             if len(self._fresh) >= self._prune_at:
-                self._fresh = [e for e in self._fresh if e[0]() is not None]
+                self._fresh = _alive(self._fresh)
                 self._prune_at = max(64, 2 * len(self._fresh))
             return StoreRows(src, idx)
 
@@ -161,7 +161,7 @@ class ArenaStore:
                 np.subtract.at(self._view_count, idx, 1)
             else:
                 live.append((ref, idx))
-        fresh = [e for e in self._fresh if e[0]() is not None]
+        fresh = _alive(self._fresh)
         if fresh:
             np.add.at(self._view_count, np.concatenate([e[1] for e in fresh]), 1)
         self._counted, self._fresh = live + fresh, []
@@ -188,3 +188,8 @@ class ArenaStore:
         if self._arena is None:
             raise StoreClosedError("ArenaStore")
         return self._arena
+
+
+def _alive(reads: list[tuple[weakref.ref[np.ndarray], np.ndarray]]) -> list[tuple[weakref.ref[np.ndarray], np.ndarray]]:
+    """The reads whose rows someone still holds."""
+    return [r for r in reads if r[0]() is not None]

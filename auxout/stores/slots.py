@@ -169,6 +169,7 @@ class SlotIndex:
         self.refs.clear()
         self.lost.clear()
         self.quarantine.clear()
+
     def _apply_refs(self, retain: Iterable[str], release: Iterable[str]) -> list[str]:
         """Retains, then releases, without a policy to notify; returns keys released to zero.
 
