@@ -164,6 +164,12 @@ class WorkerConnector:
         self._out_buffers = _BufferRecycler(profile)
         # prefix reads left in an in-process store's arena (None: the store copies them out)
         self._read_rows = getattr(store, "read_rows", None)
+        self._drain_lost = getattr(store, "drain_lost", None)
+        # slots of the last batch seen by begin_step / prepare_output, valid while no slot is
+        # made or freed (a decode step repeats its batch: no per-request lookups then)
+        self._slot_epoch = 0
+        self._begin_cache: tuple[int, list[str], np.ndarray] | None = None
+        self._prepare_cache: tuple[int, list[str], np.ndarray] | None = None
         self._block_shape = (block_size, *profile.shape_per_token)
         # staged blocks copied out for publication: reused once the store dropped its views (a
         # queued batch holds them until the writer applied it)
@@ -214,6 +220,7 @@ class WorkerConnector:
         self._staged[s] = {}
         self._rid[s] = rid
         self._slot_of[rid] = s
+        self._slot_epoch += 1
         if self._pin_floor:  # (only a begin_step that failed half-way leaves an entry behind)
             self._pin_floor.pop(s, None)
         return s
@@ -223,6 +230,7 @@ class WorkerConnector:
         release: list[str] = []
         pool_free: list[int] = []
         floor = self._pin_floor
+        self._slot_epoch += 1
         for s in slots:
             release.extend(reversed(self._keys[s][floor.pop(s, 0) if floor else 0 : self._pinned[s]]))
             pool_free.extend(self._staged[s].values())
@@ -268,6 +276,8 @@ class WorkerConnector:
         keyed: list[int] = []
         done: list[int] = []
         # terminal events first: a request may end one incarnation and start the next this step
+        if meta.finished:
+            self._slot_epoch += 1  # (an id may come back with a new slot while the old one awaits teardown)
         for rid in meta.finished:
             s = slot_of.pop(rid, None)
             if s is None:
@@ -286,7 +296,12 @@ class WorkerConnector:
             else:
                 self._awaiting.add(s)
         reqs = meta.requests
-        known = np.fromiter(map(slot_of.get, reqs, repeat(-1, len(reqs))), dtype=_I64, count=len(reqs))
+        names = list(reqs)
+        cache = self._begin_cache
+        if cache is not None and cache[0] == self._slot_epoch and cache[1] == names:
+            known = cache[2]  # (the same batch as the last step: every slot known)
+        else:
+            known = np.fromiter(map(slot_of.get, names, repeat(-1, len(names))), dtype=_I64, count=len(names))
         if len(known):
             starts = np.fromiter(reqs.values(), dtype=_I64, count=len(reqs))
             old = known >= 0
@@ -303,9 +318,10 @@ class WorkerConnector:
                         f"emit_start={int(starts[i])}, worker emitted up to {int(self._emit[known[i]])}"
                     )
             if not all_old:
-                names = list(reqs)
                 for i in np.flatnonzero(~old).tolist():
                     self._new_slot(names[i], int(starts[i]))
+            elif cache is None or known is not cache[2]:
+                self._begin_cache = (self._slot_epoch, names, known)
         hashed: list[int] = []
         packs: list[PackedHashes] = []
         for rid, packed in meta.block_hashes.items():
@@ -318,12 +334,12 @@ class WorkerConnector:
             packs.append(packed)
         for s, pack in zip(hashed, packs):
             self._hashes[s].append(pack)
-        sources: list[tuple[list[str], int] | None] | None = [] if done else None
-        for s, keys in zip(hashed, self._chains.keys_batch(packs, self.generation, sources)):
-            self._keys[s].extend(keys)
-            if self._staged[s]:
-                keyed.append(s)
         if hashed:
+            sources: list[tuple[list[str], int] | None] | None = [] if done else None
+            for s, keys in zip(hashed, self._chains.keys_batch(packs, self.generation, sources)):
+                self._keys[s].extend(keys)
+                if self._staged[s]:
+                    keyed.append(s)
             idx = np.array(hashed, dtype=_I64)
             self._nkeys[idx] = [len(self._keys[s]) for s in hashed]
             if sources and sources.count(None) != len(sources):
@@ -394,9 +410,8 @@ class WorkerConnector:
         """Keys published and lost since the last output (for the scheduler's ``RouteIndex``)."""
         published, self._published = self._published, []
         lost, self._lost = self._lost, []
-        drain = getattr(self.store, "drain_lost", None)
-        if drain is not None:
-            lost.extend(drain())
+        if self._drain_lost is not None:
+            lost.extend(self._drain_lost())
         return published, lost
 
     def _collect_staged(self, slots: Sequence[int]) -> tuple[Sequence[StoreObject], list[int]]:
@@ -449,21 +464,26 @@ class WorkerConnector:
         if len(qsl) != n + 1 or len(ts) != n:
             raise InvariantError(f"step of {n} requests needs {n + 1} query_start_loc and {n} token_starts")
         prof = self.profile
-        if rows.dtype != prof.dtype or rows.shape[1:] != prof.shape_per_token or rows.ndim != 3:
+        if (rows.dtype is not prof.dtype and rows.dtype != prof.dtype) or rows.shape[1:] != prof.shape_per_token or rows.ndim != 3:
             raise InvariantError(
                 f"captured rows profile changed: got {rows.dtype}{list(rows.shape[1:])}, "
                 f"expected {prof.dtype}{list(prof.shape_per_token)}"
             )
         if n and int(qsl[-1]) > len(rows):
             raise InvariantError(f"step claims {int(qsl[-1])} rows but the snapshot has {len(rows)}")
-        slot_of = self._slot_of
-        try:
-            slots = np.fromiter(map(slot_of.__getitem__, req_ids), dtype=_I64, count=n)
-        except KeyError as exc:
-            raise InvariantError(f"request {exc.args[0]!r} executed but was never announced in metadata") from None
+        ids = list(req_ids)
+        cache = self._prepare_cache
+        if cache is not None and cache[0] == self._slot_epoch and cache[1] == ids:
+            slots = cache[2]  # (the same batch as the last step)
+        else:
+            try:
+                slots = np.fromiter(map(self._slot_of.__getitem__, ids), dtype=_I64, count=n)
+            except KeyError as exc:
+                raise InvariantError(f"request {exc.args[0]!r} executed but was never announced in metadata") from None
+            self._prepare_cache = (self._slot_epoch, ids, slots)
         if not rows.flags.c_contiguous:
             rows = np.ascontiguousarray(rows)
-        step = PendingStep(self._seq, list(req_ids), slots, ts, qsl, rows)
+        step = PendingStep(self._seq, ids, slots, ts, qsl, rows)
         self._seq += 1
         self._pending_steps.append(step)
         return step
@@ -471,10 +491,15 @@ class WorkerConnector:
     def process_output(
         self,
         pending: PendingStep,
-        num_sampled: Sequence[int] | np.ndarray,
+        num_sampled: Sequence[int] | np.ndarray | None = None,
         num_rejected: Sequence[int] | np.ndarray | None = None,
     ) -> StepOutput:
-        """Commit one step (strictly in step order) and return what each request emits."""
+        """Commit one step (strictly in step order) and return what each request emits.
+
+        Rows are kept as captured, sampled or not: only ``num_rejected`` (draft tokens rejected
+        per request; None: none) changes what is kept. ``num_sampled`` is checked for length
+        when given.
+        """
         self._check_open()
         if not self._pending_steps or self._pending_steps[0] is not pending:
             raise InvariantError("step outputs must be processed in the order they were prepared")
@@ -489,7 +514,7 @@ class WorkerConnector:
                 published=published, lost=lost,
             )  # fmt: skip
         try:
-            if len(num_sampled) < n or (num_rejected is not None and len(num_rejected) < n):
+            if (num_sampled is not None and len(num_sampled) < n) or (num_rejected is not None and len(num_rejected) < n):
                 raise InvariantError(f"step of {n} requests needs {n} sampled and rejected counts")
             # (rows are kept as captured, sampled or not: only the rejected counts matter here)
             rejected = None if num_rejected is None else np.asarray(num_rejected, dtype=_I64)[:n]
@@ -720,34 +745,33 @@ class WorkerConnector:
         n = len(slots)
         if bs == 1 or n == 0:
             return None
-        if np.count_nonzero(self._capture[slots] != ts):  # first capture, or re-attaching a draft gap
+        ts_bytes = ts.tobytes()  # (int64 both sides: equal bytes are equal cursors; cheaper than a compare)
+        if self._capture[slots].tobytes() != ts_bytes:  # first capture, or re-attaching a draft gap
             return None
         emit = self._emit[slots]
-        all_emit = np.count_nonzero(emit == ts) == n  # (the usual step: then none is behind)
+        all_emit = emit.tobytes() == ts_bytes  # (the usual step: then none is behind)
         if not all_emit and np.count_nonzero(emit < ts):  # rows before this step must come from the store
             return None
         q0 = int(p.query_start_loc[0])
         end = ts + 1
         pos = ts % bs
-        old_tail = self._tail[slots]
+        tail = self._tail[slots]  # (a gathered copy)
         opening = pos == 0
-        if np.count_nonzero((old_tail < 0) > opening):  # (bool > bool: no tail where no block opens)
-            raise InvariantError("open tail block lost its staging slot")
         n_open = int(np.count_nonzero(opening))
-        tail = old_tail.copy()
         if n_open:
             tail[opening] = self.pool.alloc(n_open)
+        if tail.min() < 0:  # every row extends a staged tail, or the one just opened for it
+            raise InvariantError("open tail block lost its staging slot")
         self.pool.blocks[tail, pos] = rows[q0 : q0 + n]  # (two index arrays: no flat index to compute)
         fills = pos == bs - 1
-        done = np.flatnonzero(fills) if np.count_nonzero(fills) else ()
         self._capture[slots] = end
         self._sched[slots] = end
-
-        retain: list[str] = []
-        release: list[str] = []
-        pool_keys: list[str] = []
-        pool_pub: list[int] = []
-        if len(done):  # pins follow the capture cursor: only a request that completed a block moves them
+        if np.count_nonzero(fills):  # pins follow the capture cursor: only a request that completed a block moves them
+            done = np.flatnonzero(fills)
+            retain: list[str] = []
+            release: list[str] = []
+            pool_keys: list[str] = []
+            pool_pub: list[int] = []
             full = slots[done]
             self._sync_pins(full, retain, release)
             blocks = tail[done]
@@ -760,8 +784,8 @@ class WorkerConnector:
                     pool_pub.append(block)
                 else:
                     self._staged[s][b] = block  # its hash arrives with a later step
+            self._publish(None, pool_keys, pool_pub, retain, release)
         self._tail[slots] = tail
-        self._publish(None, pool_keys, pool_pub, retain, release)
 
         qs = p.query_start_loc[:n]
         if all_emit:  # every request emits its one row (emit <= end)

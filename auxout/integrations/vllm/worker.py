@@ -170,18 +170,21 @@ class AuxoutWorkerMixin:
         if not isinstance(output, ModelRunnerOutput) or output is EMPTY_MODEL_RUNNER_OUTPUT:
             raise RuntimeError(f"auxout needs the step's ModelRunnerOutput, got {type(output).__name__}")
         pending, req_ids, scheduled, spec = step
-        sampled_ids = output.sampled_token_ids
-        if output.req_ids == req_ids and len(sampled_ids) == len(req_ids):  # the same batch order (usual)
-            num_sampled = np.fromiter(map(len, sampled_ids), dtype=np.int64, count=len(req_ids))
-        else:
-            index = output.req_id_to_index
-            num_sampled = np.fromiter(
-                (len(sampled_ids[index[r]]) if r in index else 0 for r in req_ids), dtype=np.int64, count=len(req_ids)
-            )
-        rejected = num_rejected_tokens(req_ids, num_sampled, scheduled, spec) if spec else None
+        rejected = None  # (sampled counts matter only where drafts may have been rejected)
+        if spec:
+            sampled_ids = output.sampled_token_ids
+            if output.req_ids == req_ids and len(sampled_ids) == len(req_ids):  # the same batch order (usual)
+                num_sampled = np.fromiter(map(len, sampled_ids), dtype=np.int64, count=len(req_ids))
+            else:
+                index = output.req_id_to_index
+                num_sampled = np.fromiter(
+                    (len(sampled_ids[index[r]]) if r in index else 0 for r in req_ids),
+                    dtype=np.int64, count=len(req_ids),
+                )  # fmt: skip
+            rejected = num_rejected_tokens(req_ids, num_sampled, scheduled, spec)
         assert self._auxout_connector is not None
         with self._auxout_lock:
-            routes = self._auxout_connector.process_output(pending, num_sampled, rejected)
+            routes = self._auxout_connector.process_output(pending, None, rejected)
         # vLLM types the field as its own connector output; the scheduler bridge reads ours.
         output.aux_output_connector_output = routes  # type: ignore[assignment]
         return output
