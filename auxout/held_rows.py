@@ -35,9 +35,13 @@ class HeldRows:
 
     def add(self, request_id: str, rows: np.ndarray | StoreRows) -> None:
         """Hold one chunk (a view, or ``StoreRows`` gathered when joined)."""
-        chunks = self._chunks.setdefault(request_id, [])
+        chunks = self._chunks.get(request_id)
+        if chunks is None:
+            self._chunks[request_id] = [rows]
+            self._views[request_id] = 1
+            return
         chunks.append(rows)
-        views = self._views.get(request_id, 0) + 1
+        views = self._views[request_id] + 1
         if views >= self.compact_every:
             chunks[-views:] = [join_rows(chunks[-views:])]
             views = 0

@@ -52,6 +52,24 @@ class PendingStep:
     rows: np.ndarray
 
 
+@dataclass(slots=True)
+class _DecodeLane:
+    """A batch that decodes one token per request per step, the same batch step after step.
+
+    Every request of the batch keeps an open tail block (one is opened as soon as the previous
+    fills), and the step in which each tail fills is known in advance (``due``), so a step only
+    writes each row into its tail and moves the cursors, without a check per request. Any other
+    step, batch or terminal event drops the lane (``WorkerConnector._drop_lane``).
+    """
+
+    slots: np.ndarray  # the batch: the very array prepare_output hands out for it
+    end: np.ndarray  # every request's next position: its capture, scheduled and emit cursors
+    flat: np.ndarray  # the staging pool token row each request's next row goes to
+    q_bytes: bytes  # the batch's query_start_loc (one row each)
+    due: dict[int, list[int]]  # lane step -> batch indices whose tail block fills in that step
+    step: int = 0
+
+
 def _excl_cumsum(counts: np.ndarray) -> np.ndarray:
     out = np.zeros(len(counts), dtype=_I64)
     if len(counts) > 1:
@@ -170,6 +188,8 @@ class WorkerConnector:
         self._slot_epoch = 0
         self._begin_cache: tuple[int, list[str], np.ndarray] | None = None
         self._prepare_cache: tuple[int, list[str], np.ndarray] | None = None
+        self._lane: _DecodeLane | None = None
+        self._lane_candidate: np.ndarray | None = None  # slots of the last decode step
         self._block_shape = (block_size, *profile.shape_per_token)
         # staged blocks copied out for publication: reused once the store dropped its views (a
         # queued batch holds them until the writer applied it)
@@ -177,9 +197,12 @@ class WorkerConnector:
 
     # -- per-slot state ---------------------------------------------------------------------
     def _alloc_slots(self, n: int) -> None:
-        self._capture = np.full(n, -1, dtype=_I64)  # next position expected from capture; -1 = none yet
-        self._sched = np.zeros(n, dtype=_I64)  # end of the last executed (scheduled) range
-        self._emit = np.zeros(n, dtype=_I64)  # first position not emitted yet
+        # the three cursors are columns of one array: a decode lane step moves all three in one call
+        self._cursors = np.zeros((n, 3), dtype=_I64)
+        self._capture = self._cursors[:, 0]  # next position expected from capture; -1 = none yet
+        self._sched = self._cursors[:, 1]  # end of the last executed (scheduled) range
+        self._emit = self._cursors[:, 2]  # first position not emitted yet
+        self._capture[:] = -1
         self._tail = np.full(n, -1, dtype=_I64)  # pool slot of the incomplete tail block
         self._nkeys = np.zeros(n, dtype=_I64)  # len(self._keys[s])
         self._pinned = np.zeros(n, dtype=_I64)  # leading keys this slot holds a store reference on
@@ -192,9 +215,12 @@ class WorkerConnector:
     def _grow_slots(self) -> None:
         old = len(self._capture)
         n = old * 2
-        for name, fill in (
-            ("_capture", -1), ("_sched", 0), ("_emit", 0), ("_tail", -1), ("_nkeys", 0), ("_pinned", 0)
-        ):
+        cursors = np.zeros((n, 3), dtype=_I64)
+        cursors[:old] = self._cursors
+        cursors[old:, 0] = -1
+        self._cursors = cursors
+        self._capture, self._sched, self._emit = cursors[:, 0], cursors[:, 1], cursors[:, 2]
+        for name, fill in (("_tail", -1), ("_nkeys", 0), ("_pinned", 0)):
             arr = getattr(self, name)
             new = np.full(n, fill, dtype=arr.dtype)
             new[:old] = arr
@@ -227,6 +253,7 @@ class WorkerConnector:
 
     def _teardown(self, slots: Sequence[int]) -> list[str]:
         """Free slots; returns their keys in release order (each chain tail-first)."""
+        self._drop_lane()
         release: list[str] = []
         pool_free: list[int] = []
         floor = self._pin_floor
@@ -529,9 +556,16 @@ class WorkerConnector:
 
     # -- the heart of the data plane ----------------------------------------------------------
     def _commit(self, p: PendingStep, rejected: np.ndarray | None) -> StepOutput:
+        none_rejected = rejected is None or not np.count_nonzero(rejected)
+        lane = self._lane
+        if lane is not None:
+            out = self._lane_step(p, lane) if none_rejected and p.slots is lane.slots else None
+            if out is not None:
+                return out
+            self._drop_lane()
         bs = self.block_size
         slots, rows, ts = p.slots, p.rows, p.token_starts
-        if rejected is None or not np.count_nonzero(rejected):
+        if none_rejected:
             q = p.query_start_loc.tolist()
             if q == list(range(q[0], q[0] + len(q))):  # one row each, none rejected: nothing for _check_rows
                 out = self._commit_decode(p)
@@ -792,6 +826,9 @@ class WorkerConnector:
             lo = qs
             hi = p.query_start_loc[1 : n + 1]  # (one row each: qs + 1; the pending step is dropped after)
             self._emit[slots] = end
+            if slots is self._lane_candidate:  # the second such step of this batch: enter the lane
+                self._start_lane(p, end)
+            self._lane_candidate = slots
         else:
             do_emit = emit <= end
             lo = np.where(do_emit, qs + (emit - ts), -1)
@@ -799,6 +836,80 @@ class WorkerConnector:
             self._emit[slots[do_emit]] = end[do_emit]
         published, lost = self._route_events()
         return StepOutput(p.req_ids, emit, lo, hi, rows, {}, published, lost)  # (req_ids: our copy)
+
+    # -- the decode lane: a repeated decode batch ------------------------------------------------
+    def _start_lane(self, p: PendingStep, end: np.ndarray) -> None:
+        """Enter the lane after a decode step (cursors at ``end``): open a tail where one just filled."""
+        bs = self.block_size
+        slots = p.slots
+        pos = end % bs
+        tail = self._tail[slots]
+        need = np.flatnonzero(pos == 0)
+        if len(need):
+            fresh = self.pool.alloc(len(need))
+            tail[need] = fresh
+            self._tail[slots[need]] = fresh
+        due: dict[int, list[int]] = {}
+        for i, wait in enumerate((bs - 1 - pos).tolist()):
+            due.setdefault(wait, []).append(i)
+        self._lane = _DecodeLane(slots, end.copy(), tail * bs + pos, p.query_start_loc.tobytes(), due)
+
+    def _lane_step(self, p: PendingStep, lane: _DecodeLane) -> StepOutput | None:
+        """One decode step of the lane's batch (None: not one; the caller drops the lane)."""
+        ts = p.token_starts
+        q = p.query_start_loc
+        if ts.tobytes() != lane.end.tobytes() or q.tobytes() != lane.q_bytes:
+            return None
+        n = len(ts)
+        q0 = int(q[0])
+        rows = p.rows
+        self.pool.token_rows[lane.flat] = rows.reshape(len(rows), -1)[q0 : q0 + n]
+        lane.flat += 1
+        lane.end += 1
+        self._cursors[lane.slots] = lane.end[:, None]  # capture, scheduled and emit, in one call
+        due = lane.due.pop(lane.step, None)
+        lane.step += 1
+        if due is not None:
+            self._lane_fill(lane, due)
+        published, lost = self._route_events()
+        return StepOutput(p.req_ids, ts, q[:n], q[1 : n + 1], rows, {}, published, lost)
+
+    def _lane_fill(self, lane: _DecodeLane, due: list[int]) -> None:
+        """Requests ``due`` (batch indices) just filled their tail: publish (or stage) it, open the next."""
+        bs = self.block_size
+        idx = np.array(due, dtype=_I64)
+        full = lane.slots[idx]
+        retain: list[str] = []
+        release: list[str] = []
+        self._sync_pins(full, retain, release)
+        pool_keys: list[str] = []
+        pool_pub: list[int] = []
+        for s, e, block in zip(full.tolist(), lane.end[idx].tolist(), self._tail[full].tolist()):
+            b = e // bs - 1
+            keys = self._keys[s]
+            if b < len(keys):
+                pool_keys.append(keys[b])
+                pool_pub.append(block)
+            else:
+                self._staged[s][b] = block  # its hash arrives with a later step
+        self._publish(None, pool_keys, pool_pub, retain, release)
+        fresh = self.pool.alloc(len(due))
+        self._tail[full] = fresh
+        lane.flat[idx] = fresh * bs
+        lane.due.setdefault(lane.step + bs - 1, []).extend(due)
+
+    def _drop_lane(self) -> None:
+        """Leave the lane: tails it opened ahead (nothing written yet) go back to the pool."""
+        lane = self._lane
+        if lane is None:
+            return
+        self._lane = None
+        self._lane_candidate = None
+        ahead = np.flatnonzero(lane.end % self.block_size == 0)
+        if len(ahead):
+            slots = lane.slots[ahead]
+            self.pool.free(self._tail[slots])
+            self._tail[slots] = -1
 
     def _pins_after_capture(self, slots: np.ndarray) -> tuple[list[str], list[str]]:
         """Retain/release lists for slots whose capture cursor just moved (already stored in ``_capture``)."""

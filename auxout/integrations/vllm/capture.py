@@ -172,24 +172,27 @@ class RouteCapture:
     def _copy_held(self) -> None:
         """Copy the ids (and weights) the host path's routers left since the last copy into the buffer."""
         held, held_w = self._held, self._held_w
-        if all(t is None for t in held) and all(w is None for w in held_w):
+        if not self.profile.weights:  # (ids only: the per-step path, lean)
+            ids = held[:]
+            held[:] = [None] * len(held)  # (cleared first: a bad call must not stay behind for the next step)
+            buf = self.host_buffer
+            for layer, topk_ids in enumerate(ids):
+                if topk_ids is not None:
+                    buf[: self._rows(layer, topk_ids), layer] = topk_ids.numpy()
+            return
+        if all(t is None for t in held) and all(w is None for w in held_w):  # (not list.count: tensors' ==)
             return
         pairs = list(zip(held, held_w))
-        held[:] = [None] * len(held)  # (cleared first: a bad call must not stay behind for the next step)
+        held[:] = [None] * len(held)
         held_w[:] = [None] * len(held_w)
-        weights = self.profile.weights
         for layer, (topk_ids, topk_weights) in enumerate(pairs):
             if topk_ids is None and topk_weights is None:
                 continue
-            if weights and (topk_ids is None or topk_weights is None or len(topk_weights) != len(topk_ids)):
+            if topk_ids is None or topk_weights is None or len(topk_weights) != len(topk_ids):
                 raise InvariantError(_UNWEIGHTED)
-            assert topk_ids is not None  # (without weights only ids are ever held)
             n = self._rows(layer, topk_ids)
-            if topk_weights is not None:  # (held exactly when weights are captured: checked above)
-                self._host_ids[:n, layer] = topk_ids.numpy()
-                self._host_w[:n, layer] = topk_weights.float().numpy()
-            else:
-                self.host_buffer[:n, layer] = topk_ids.numpy()
+            self._host_ids[:n, layer] = topk_ids.numpy()
+            self._host_w[:n, layer] = topk_weights.float().numpy()
 
     def _capture(self, layer: int, topk_ids: torch.Tensor) -> None:
         """Device path: copy in the forward (CUDA graphs replay the copy; nothing is held)."""

@@ -191,10 +191,13 @@ class SchedulerBridge:
             return None
         if parts is None:
             return None
-        if isinstance(parts, RouteManifest):  # keys-only: delivered in the final output's kv_transfer_params
+        if type(parts) is np.ndarray:  # (the usual step: one view of the step's rows)
+            self.held.add(rid, parts)
+        elif isinstance(parts, RouteManifest):  # keys-only: delivered in the final output's kv_transfer_params
             self.manifests[rid] = parts.to_dict()
             return None
-        self._hold(rid, parts)
+        else:
+            self._hold(rid, parts)
         params = request.sampling_params
         # streamed (and stop-string) requests get their rows every step: the server sends each
         # step's rows with its tokens (held rows of earlier prefill chunks included)
