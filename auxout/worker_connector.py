@@ -189,6 +189,7 @@ class WorkerConnector:
         self._begin_cache: tuple[int, list[str], np.ndarray] | None = None
         self._prepare_cache: tuple[int, list[str], np.ndarray] | None = None
         self._lane: _DecodeLane | None = None
+        self.lane_steps = 0  # decode steps committed through the lane (for tests and benchmarks)
         self._lane_candidate: np.ndarray | None = None  # slots of the last decode step
         self._block_shape = (block_size, *profile.shape_per_token)
         # staged blocks copied out for publication: reused once the store dropped its views (a
@@ -869,6 +870,7 @@ class WorkerConnector:
         self._cursors[lane.slots] = lane.end[:, None]  # capture, scheduled and emit, in one call
         due = lane.due.pop(lane.step, None)
         lane.step += 1
+        self.lane_steps += 1
         if due is not None:
             self._lane_fill(lane, due)
         published, lost = self._route_events()

@@ -90,7 +90,37 @@ def scenarios(draw: st.DrawFn) -> dict:
     )
 
 
-def run_scenario(sc: dict) -> int:
+@st.composite
+def long_decodes(draw: st.DrawFn) -> dict:
+    """Conversations decoding many tokens side by side: the worker's decode lane, its block
+    fills, and the turns after it reading back the blocks it published."""
+    block_size = draw(st.sampled_from([2, 4, 8]))
+    convs = draw(st.integers(1, 5))
+    turns = draw(st.integers(1, 3))
+    max_tokens = draw(st.integers(20, 60))
+    longest = 40 + turns * (19 + max_tokens)
+    cfg = dict(
+        block_size=block_size,
+        max_num_batched_tokens=draw(st.sampled_from([24, 64, 256])),
+        max_num_seqs=draw(st.integers(convs, 6)),
+        async_scheduling=draw(st.booleans()),
+        num_speculative_tokens=0,
+        draft_acceptance=1.0,
+        seed=draw(st.integers(0, 2**16)),
+        inline_below=draw(st.sampled_from([0, 1 << 20])),
+        num_kv_blocks=draw(st.sampled_from([2, 16])) * convs * -(-longest // block_size),
+    )
+    return dict(
+        cfg=cfg, model=draw(st.sampled_from(sorted(MODELS))), turns=turns, convs=convs, max_tokens=max_tokens,
+        min_tokens=max_tokens // 2,
+        shared_prefix=draw(st.integers(0, 40)), reset_between=draw(st.booleans()),
+        data_seed=draw(st.integers(0, 2**16)), aborts=draw(st.integers(0, min(1, convs - 1))), salted=False,
+        keys_share=0.0,
+        store_size=draw(st.sampled_from(["roomy", "default"])), external="none",
+    )  # fmt: skip
+
+
+def run_scenario(sc: dict, stats: dict | None = None) -> int:
     model = MODELS[sc["model"]]
     cfg = sc["cfg"]
     obj = model.profile.block_nbytes(cfg["block_size"])
@@ -138,7 +168,7 @@ def run_scenario(sc: dict) -> int:
             eng.add_request(
                 f"t{turn}c{c}",
                 prompt,
-                int(rng.integers(1, sc["max_tokens"] + 1)),
+                int(rng.integers(sc.get("min_tokens", 1), sc["max_tokens"] + 1)),
                 prompt_start=start,
                 cache_salt=salt,
                 return_routed_experts=bool(rng.random() > 0.15),
@@ -169,6 +199,9 @@ def run_scenario(sc: dict) -> int:
         peer.store.flush()
         eng.store.flush()
         peer.close()
+    if stats is not None:
+        stats["lane_steps"] = eng.worker.lane_steps
+        stats["steps"] = eng.num_steps
     eng.close()
     return checked
 
@@ -190,6 +223,14 @@ REGRESSION_KEYS_LAST_BLOCK = {
 @example(REGRESSION_KEYS_LAST_BLOCK)
 def test_routes_match_full_forward_under_any_schedule(sc: dict) -> None:
     assert run_scenario(sc) > 0
+
+
+@given(long_decodes())
+def test_decode_lane_routes_match_full_forward(sc: dict) -> None:
+    stats: dict = {}
+    assert run_scenario(sc, stats) > 0
+    # with decodes this long the lane carries most steps; the oracle checked every row of them
+    assert stats["lane_steps"] > 0, stats
 
 
 def test_keys_manifest_falls_back_inline_when_the_store_cannot_hold_it() -> None:
