@@ -216,7 +216,7 @@ class SchedulerConnector:
         return join_rows(got) if type(got) is list else got  # type: ignore[return-value]
 
     def take_output_parts(
-        self, output: StepOutput | None, request: SchedRequest, *, finished: bool = False
+        self, output: StepOutput | None, request: SchedRequest, finished: bool = False
     ) -> np.ndarray | list[np.ndarray | StoreRows] | RouteManifest | None:
         """``take_output`` without joining: a list of parts where the rows come in two parts.
 

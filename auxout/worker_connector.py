@@ -328,24 +328,26 @@ class WorkerConnector:
         cache = self._begin_cache
         if cache is not None and cache[0] == self._slot_epoch and cache[1] == names:
             known = cache[2]  # (the same batch as the last step: every slot known)
+            old = None
         else:
             known = np.fromiter(map(slot_of.get, names, repeat(-1, len(names))), dtype=_I64, count=len(names))
+            old = known >= 0
         if len(known):
             starts = np.fromiter(reqs.values(), dtype=_I64, count=len(reqs))
-            old = known >= 0
-            all_old = np.count_nonzero(old) == len(old)
+            all_old = old is None or np.count_nonzero(old) == len(old)
             ks, ss = (known, starts) if all_old else (known[old], starts[old])
             if np.count_nonzero(ss > self._emit[ks]):  # ahead of the worker, unless output is in flight
                 idle = np.array([not self._busy(s) for s in ks.tolist()], dtype=bool)
                 ahead = idle & (ss > self._emit[ks])
                 if np.count_nonzero(ahead):
-                    i = int(np.flatnonzero(old)[np.argmax(ahead)])
+                    i = int(np.flatnonzero(known >= 0)[np.argmax(ahead)])
                     rid = list(reqs)[i]
                     raise InvariantError(
                         f"scheduler emit cursor moved ahead of the worker for request {rid!r}: "
                         f"emit_start={int(starts[i])}, worker emitted up to {int(self._emit[known[i]])}"
                     )
             if not all_old:
+                assert old is not None
                 for i in np.flatnonzero(~old).tolist():
                     self._new_slot(names[i], int(starts[i]))
             elif cache is None or known is not cache[2]:
@@ -373,7 +375,7 @@ class WorkerConnector:
             if sources and sources.count(None) != len(sources):
                 self._inherit_pins(hashed, sources, done)
             self._sync_pins(idx, retain, release)
-        objects, pool_slots = self._collect_staged(keyed)  # copied out: teardown may free their slots
+        objects, pool_slots = self._collect_staged(keyed) if keyed else ((), [])  # copied out: teardown may free them
         if done:
             release.extend(self._teardown(done))
         if objects or retain or release:

@@ -183,7 +183,7 @@ class SchedulerBridge:
         self.taken.add(rid)
         finished = request.is_finished()
         try:
-            parts = self.connector.take_output_parts(output, request, finished=finished)
+            parts = self.connector.take_output_parts(output, request, finished)
         except BlockStoreError as exc:
             logger.error("auxout: routes of request %s are unavailable: %s", rid, exc)
             self.failed[rid] = str(exc)
@@ -208,7 +208,10 @@ class SchedulerBridge:
 
     def hold_uncollected(self, output: StepOutput, requests: Mapping[str, Request], skip: set[str]) -> None:
         """Rows of requests vLLM emitted nothing for this step (a prefill chunk): held until they do."""
-        for rid in output.span_map():
+        spans = output.span_map()
+        if len(self.taken) >= len(spans) and self.taken.issuperset(spans):  # (a decode step: all taken)
+            return
+        for rid in spans:
             if rid in self.taken or rid in skip:
                 continue
             request = requests.get(rid)

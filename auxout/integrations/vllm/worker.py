@@ -144,7 +144,8 @@ class AuxoutWorkerMixin:
         if pending is not None:
             spec = scheduler_output.scheduled_spec_decode_tokens  # (scheduled counts matter only with drafts)
             self._auxout_pending = (
-                pending, req_ids, dict(scheduler_output.num_scheduled_tokens) if spec else {}, dict(spec)
+                (pending, req_ids, dict(scheduler_output.num_scheduled_tokens), dict(spec)) if spec
+                else (pending, req_ids, {}, {})
             )  # fmt: skip
         if output is not None:  # output already final (no separate sampling call)
             return self._auxout_finish(output)
