@@ -30,6 +30,9 @@ class StepMetadata:
     finished: tuple[str, ...] = ()
     final_hashes: dict[str, PackedHashes] = field(default_factory=dict)
 
+    def __reduce__(self) -> tuple:  # (sent every step: positional, without the slots-state dance)
+        return StepMetadata, (self.generation, self.requests, self.block_hashes, self.finished, self.final_hashes)
+
 
 @dataclass(slots=True)
 class StepOutput:
@@ -98,17 +101,21 @@ class StepOutput:
         return [head[x:] if x else head, self.rows[own : own + y - n_head]]
 
     def __getstate__(self) -> tuple:
+        # Sent once per step between processes: the three int64 columns and the rows go as raw
+        # bytes (a quarter of the time numpy's own pickling of four arrays takes per step)
         heads = self.heads
         if heads:  # rows still in an in-process store go as arrays (StoreRows pickles as one)
             heads = {rid: (h if type(h) is np.ndarray else np.asarray(h), own) for rid, (h, own) in heads.items()}
+        cols = np.concatenate([self.token_starts, self.lo, self.hi], dtype=np.int64, casting="safe").tobytes()
+        rows = self.rows
         return (
-            self.req_ids, self.token_starts, self.lo, self.hi, self.rows, self.errors,
-            self.published, self.lost, heads,
+            self.req_ids, cols, rows.dtype, rows.shape, rows.tobytes(), self.errors, self.published, self.lost, heads,
         )  # fmt: skip
 
     def __setstate__(self, state: tuple) -> None:
-        (
-            self.req_ids, self.token_starts, self.lo, self.hi, self.rows, self.errors,
-            self.published, self.lost, self.heads,
-        ) = state  # fmt: skip
+        (self.req_ids, cols, dtype, shape, rows, self.errors, self.published, self.lost, self.heads) = state
+        n = len(self.req_ids)
+        ints = np.frombuffer(cols, dtype=np.int64)  # (read-only views: a step output is never written to)
+        self.token_starts, self.lo, self.hi = ints[:n], ints[n : 2 * n], ints[2 * n :]
+        self.rows = np.frombuffer(rows, dtype=dtype).reshape(shape)
         self._spans = None

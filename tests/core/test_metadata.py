@@ -1,0 +1,55 @@
+"""The two per-step messages survive the trip to another process exactly (their own pickling)."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+from auxout.keys import PackedHashes
+from auxout.metadata import StepMetadata, StepOutput
+from auxout.profile import RouteProfile
+
+
+@given(
+    n=st.integers(0, 6),
+    extra_rows=st.integers(0, 5),
+    experts=st.sampled_from([8, 300]),
+    weights=st.booleans(),
+    seed=st.integers(0, 2**16),
+    with_head=st.booleans(),
+)
+def test_step_output_round_trips_every_field(
+    n: int, extra_rows: int, experts: int, weights: bool, seed: int, with_head: bool
+) -> None:
+    rng = np.random.default_rng(seed)
+    prof = RouteProfile(num_layers=2, top_k=3, num_experts=experts, weights=weights)
+    rows = prof.empty(n + extra_rows)
+    rows.view(np.uint8)[...] = rng.integers(0, 256, rows.view(np.uint8).shape, dtype=np.uint8)
+    ids = [f"r{i}" for i in range(n)]
+    starts = rng.integers(0, 1000, n)
+    lo = np.where(rng.random(n) < 0.3, -1, np.arange(n))
+    hi = np.where(lo < 0, -1, lo + 1)
+    heads = {ids[0]: (rows[:2].copy(), 0)} if with_head and n else {}
+    out = StepOutput(ids, starts, lo, hi, rows, {"x": "gone"}, ["k1"], ["k2"], heads)
+    back = pickle.loads(pickle.dumps(out, protocol=5))
+    assert back.req_ids == ids and back.errors == {"x": "gone"} and back.published == ["k1"] and back.lost == ["k2"]
+    for name in ("token_starts", "lo", "hi"):
+        got, want = getattr(back, name), getattr(out, name)
+        assert got.dtype == np.int64 and np.array_equal(got, want), name
+    assert back.rows.dtype == rows.dtype and back.rows.shape == rows.shape
+    assert back.rows.tobytes() == rows.tobytes()
+    assert back.span_map() == out.span_map()
+    assert back.heads.keys() == heads.keys()
+    for rid, (head, own) in heads.items():
+        assert back.heads[rid][1] == own and back.heads[rid][0].tobytes() == head.tobytes()
+
+
+def test_step_metadata_round_trips() -> None:
+    meta = StepMetadata(
+        3, {"a": 0, "b": 17}, {"a": PackedHashes.pack([b"x" * 32, b"y" * 32])}, ("c",), {"c": PackedHashes.pack([b"z" * 32])}
+    )
+    back = pickle.loads(pickle.dumps(meta, protocol=5))
+    assert back == meta and list(back.block_hashes["a"]) == [b"x" * 32, b"y" * 32]
