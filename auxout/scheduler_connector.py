@@ -311,19 +311,23 @@ class SchedulerConnector:
         """
         n = len(requests)
         fin = [False] * n if finished is None else list(finished)
-        if output is None or output.errors or output.heads or self._keys_mode or not self.default_return or n == 0:
+        if output is None or output.errors or output.heads or self._keys_mode or n == 0:
             return [self._take_or_error(output, r, f) for r, f in zip(requests, fin)]
         spans = output.span_map()
         get_span, get_opt = spans.get, self._options.get
+        default = self.default_return
         delivered = self._delivered
         rows = output.rows
         res: list[np.ndarray | RouteManifest | RoutesUnavailableError | None] = []
         append = res.append
         for r in requests:
             rid = r.request_id
-            sp = get_span(rid)
             opt = get_opt(rid)
-            if sp is None or (opt is not None and not opt[1]):
+            if not (default if opt is None else opt[1]):
+                append(None)  # opted out
+                continue
+            sp = get_span(rid)
+            if sp is None:
                 return [self._take_or_error(output, q, f) for q, f in zip(requests, fin)]
             t, lo, hi = sp
             e = r.num_tokens - 1 - t

@@ -25,7 +25,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import Request, RequestStatus
 
-from auxout.errors import BlockStoreError, RequestValidationError
+from auxout.errors import BlockStoreError, RequestValidationError, RoutesUnavailableError
 from auxout.held_rows import HeldRows
 from auxout.integrations.vllm.config import route_keyspace
 from auxout.integrations.vllm.options import (
@@ -167,6 +167,8 @@ class SchedulerBridge:
         self.manifests: dict[str, dict[str, Any]] = {}
         self.taken: set[str] = set()  # requests vLLM took output for this step
         self.recomputed: dict[str, int] = {}  # prefix-hit tokens recomputed per live request
+        self._bulk: StepOutput | None = None  # this step's output, when its plain rows are taken in bulk
+        self._deferred: list[Request] = []  # running requests whose rows this step are taken in bulk
 
     def build_connector_meta(self, scheduler_output: Any, requests: Mapping[str, Request]) -> Any:
         return self.connector.build_metadata(scheduler_output.num_scheduled_tokens, requests)
@@ -178,10 +180,45 @@ class SchedulerBridge:
             self.held.discard(request.request_id)  # finished without a final output (abort)
         self.connector.request_finished(request, preempted=preempted)
 
+    def begin_step_output(self, step: StepOutput | None) -> None:
+        """Before vLLM's per-request loop over a step's output.
+
+        In a step without read-back heads or errors (every decode step), a running request
+        that gets its rows only at finish is not served inside vLLM's loop: ``take_output``
+        queues it, and ``end_step_output`` takes all of them in one tight loop (the same rows;
+        run back to back, its code stays warm instead of running cold between vLLM's per-request
+        work).
+        """
+        self.taken.clear()
+        self._deferred = []
+        self._bulk = step if step is not None and not step.errors and not step.heads else None
+
+    def end_step_output(self, step: StepOutput | None, requests: Mapping[str, Request], skip: set[str]) -> None:
+        """After vLLM's loop: take the queued requests' rows, then hold what nobody collected."""
+        deferred, self._deferred = self._deferred, []
+        self._bulk = None
+        if deferred and step is not None:
+            add = self.held.add
+            for request, rows in zip(deferred, self.connector.take_outputs(step, deferred)):
+                if type(rows) is np.ndarray:
+                    add(request.request_id, rows)
+                elif isinstance(rows, RoutesUnavailableError):  # (not in a step without errors)
+                    logger.error("auxout: routes of request %s are unavailable: %s", request.request_id, rows)
+                    self.failed[request.request_id] = str(rows)
+                    self.held.discard(request.request_id)
+                # (None: opted out, or keys-only rows the publisher holds until the request finishes)
+        if step is not None:
+            self.hold_uncollected(step, requests, skip)
+
     def take_output(self, request: Request, output: Any) -> np.ndarray | None:
         rid = request.request_id
         self.taken.add(rid)
         finished = request.is_finished()
+        if output is self._bulk and output is not None and not finished:
+            params = request.sampling_params
+            if params is not None and not params.stop and params.output_kind != RequestOutputKind.DELTA:
+                self._deferred.append(request)  # rows at finish only: taken with the others after the loop
+                return None
         try:
             parts = self.connector.take_output_parts(output, request, finished)
         except BlockStoreError as exc:
@@ -358,10 +395,9 @@ class AuxoutScheduler(Scheduler):
             for rid in redo:
                 if rid in index and sampled:
                     sampled[index[rid]] = []
-        self.auxout.taken.clear()
+        self.auxout.begin_step_output(step)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
-        if step is not None:
-            self.auxout.hold_uncollected(step, self.requests, set(redo))
+        self.auxout.end_step_output(step, self.requests, set(redo))
         for rid in redo:
             request = self.requests.get(rid)
             if request is None or request.status != RequestStatus.RUNNING:
