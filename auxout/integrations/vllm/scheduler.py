@@ -185,9 +185,9 @@ class SchedulerBridge:
 
         In a step without read-back heads or errors (every decode step), a running request
         that gets its rows only at finish is not served inside vLLM's loop: ``take_output``
-        queues it, and ``end_step_output`` takes all of them in one tight loop (the same rows;
-        run back to back, its code stays warm instead of running cold between vLLM's per-request
-        work).
+        queues it, and ``end_step_output`` takes all of them with one ``take_outputs`` call (the
+        same rows; two calls per request fewer, about 40 us less per 16-request step measured in
+        the engine: docs/performance.md).
         """
         self.taken.clear()
         self._deferred = []
