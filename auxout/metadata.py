@@ -9,6 +9,10 @@ import numpy as np
 from auxout.keys import PackedHashes
 from auxout.store_rows import StoreRows, join_rows
 
+_RAW_ROWS_BELOW = 1 << 16
+"""A step's rows smaller than this are pickled as raw bytes (a decode step's: numpy's own array
+pickling costs more than the copy); larger ones as the array (``benchmarks/step_messages.py``)."""
+
 NO_EMIT = 1 << 62
 """Emit start of a request that opted out: its rows are captured and published, never emitted."""
 
@@ -108,8 +112,10 @@ class StepOutput:
             heads = {rid: (h if type(h) is np.ndarray else np.asarray(h), own) for rid, (h, own) in heads.items()}
         cols = np.concatenate([self.token_starts, self.lo, self.hi], dtype=np.int64, casting="safe").tobytes()
         rows = self.rows
+        # (a large array pickles best as itself: one copy each way, where bytes would add one)
+        data = rows.tobytes() if rows.nbytes < _RAW_ROWS_BELOW else rows
         return (
-            self.req_ids, cols, rows.dtype, rows.shape, rows.tobytes(), self.errors, self.published, self.lost, heads,
+            self.req_ids, cols, rows.dtype, rows.shape, data, self.errors, self.published, self.lost, heads,
         )  # fmt: skip
 
     def __setstate__(self, state: tuple) -> None:
@@ -117,5 +123,5 @@ class StepOutput:
         n = len(self.req_ids)
         ints = np.frombuffer(cols, dtype=np.int64)  # (read-only views: a step output is never written to)
         self.token_starts, self.lo, self.hi = ints[:n], ints[n : 2 * n], ints[2 * n :]
-        self.rows = np.frombuffer(rows, dtype=dtype).reshape(shape)
+        self.rows = np.frombuffer(rows, dtype=dtype).reshape(shape) if type(rows) is bytes else rows
         self._spans = None

@@ -53,3 +53,14 @@ def test_step_metadata_round_trips() -> None:
     )
     back = pickle.loads(pickle.dumps(meta, protocol=5))
     assert back == meta and list(back.block_hashes["a"]) == [b"x" * 32, b"y" * 32]
+
+
+def test_a_large_step_output_round_trips_as_an_array() -> None:
+    prof = RouteProfile(num_layers=4, top_k=8, num_experts=300)  # uint16: 64 B per row
+    rows = np.random.default_rng(1).integers(0, 300, (4096, 4, 8)).astype(prof.dtype)
+    assert rows.nbytes >= 1 << 16  # (past the raw-bytes threshold)
+    q = np.arange(0, 4097, 1024, dtype=np.int64)
+    out = StepOutput(["a", "b", "c", "d"], np.zeros(4, np.int64), q[:4], q[1:], rows)
+    back = pickle.loads(pickle.dumps(out, protocol=5))
+    assert back.rows.dtype == rows.dtype and np.array_equal(back.rows, rows)
+    assert back.span_map() == out.span_map()
