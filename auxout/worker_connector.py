@@ -803,25 +803,10 @@ class WorkerConnector:
         fills = pos == bs - 1
         self._capture[slots] = end
         self._sched[slots] = end
-        if np.count_nonzero(fills):  # pins follow the capture cursor: only a request that completed a block moves them
+        if np.count_nonzero(fills):
             done = np.flatnonzero(fills)
-            retain: list[str] = []
-            release: list[str] = []
-            pool_keys: list[str] = []
-            pool_pub: list[int] = []
-            full = slots[done]
-            self._sync_pins(full, retain, release)
-            blocks = tail[done]
+            self._publish_filled(slots[done], tail[done].tolist(), (ts[done] // bs).tolist())
             tail[done] = -1
-            for s, t, block in zip(full.tolist(), ts[done].tolist(), blocks.tolist()):
-                b = t // bs
-                keys = self._keys[s]
-                if b < len(keys):
-                    pool_keys.append(keys[b])
-                    pool_pub.append(block)
-                else:
-                    self._staged[s][b] = block  # its hash arrives with a later step
-            self._publish(None, pool_keys, pool_pub, retain, release)
         self._tail[slots] = tail
 
         qs = p.query_start_loc[:n]
@@ -883,13 +868,22 @@ class WorkerConnector:
         bs = self.block_size
         idx = np.array(due, dtype=_I64)
         full = lane.slots[idx]
+        self._publish_filled(full, self._tail[full].tolist(), (lane.end[idx] // bs - 1).tolist())
+        fresh = self.pool.alloc(len(due))
+        self._tail[full] = fresh
+        lane.flat[idx] = fresh * bs
+        lane.due.setdefault(lane.step + bs - 1, []).extend(due)
+
+    def _publish_filled(self, full: np.ndarray, blocks: list[int], block_index: list[int]) -> None:
+        """Slots ``full`` each just filled block ``block_index[i]``, staged in pool slot ``blocks[i]``:
+        pins follow their capture cursors (only a completed block moves them), and the block is
+        published if its key is known, else stays staged until its hash arrives."""
         retain: list[str] = []
         release: list[str] = []
         self._sync_pins(full, retain, release)
         pool_keys: list[str] = []
         pool_pub: list[int] = []
-        for s, e, block in zip(full.tolist(), lane.end[idx].tolist(), self._tail[full].tolist()):
-            b = e // bs - 1
+        for s, b, block in zip(full.tolist(), block_index, blocks):
             keys = self._keys[s]
             if b < len(keys):
                 pool_keys.append(keys[b])
@@ -897,10 +891,6 @@ class WorkerConnector:
             else:
                 self._staged[s][b] = block  # its hash arrives with a later step
         self._publish(None, pool_keys, pool_pub, retain, release)
-        fresh = self.pool.alloc(len(due))
-        self._tail[full] = fresh
-        lane.flat[idx] = fresh * bs
-        lane.due.setdefault(lane.step + bs - 1, []).extend(due)
 
     def _drop_lane(self) -> None:
         """Leave the lane: tails it opened ahead (nothing written yet) go back to the pool."""
