@@ -546,7 +546,6 @@ class WorkerConnector:
         try:
             if (num_sampled is not None and len(num_sampled) < n) or (num_rejected is not None and len(num_rejected) < n):
                 raise InvariantError(f"step of {n} requests needs {n} sampled and rejected counts")
-            # (rows are kept as captured, sampled or not: only the rejected counts matter here)
             rejected = None if num_rejected is None else np.asarray(num_rejected, dtype=_I64)[:n]
             return self._commit(pending, rejected)
         finally:

@@ -203,9 +203,7 @@ class SchedulerBridge:
                 if type(rows) is np.ndarray:
                     add(request.request_id, rows)
                 elif isinstance(rows, RoutesUnavailableError):  # (not in a step without errors)
-                    logger.error("auxout: routes of request %s are unavailable: %s", request.request_id, rows)
-                    self.failed[request.request_id] = str(rows)
-                    self.held.discard(request.request_id)
+                    self._unavailable(request.request_id, rows)
                 # (None: opted out, or keys-only rows the publisher holds until the request finishes)
         if step is not None:
             self.hold_uncollected(step, requests, skip)
@@ -214,7 +212,7 @@ class SchedulerBridge:
         rid = request.request_id
         self.taken.add(rid)
         finished = request.is_finished()
-        if output is self._bulk and output is not None and not finished:
+        if self._bulk is not None and output is self._bulk and not finished:
             params = request.sampling_params
             if params is not None and not params.stop and params.output_kind != RequestOutputKind.DELTA:
                 self._deferred.append(request)  # rows at finish only: taken with the others after the loop
@@ -222,19 +220,14 @@ class SchedulerBridge:
         try:
             parts = self.connector.take_output_parts(output, request, finished)
         except BlockStoreError as exc:
-            logger.error("auxout: routes of request %s are unavailable: %s", rid, exc)
-            self.failed[rid] = str(exc)
-            self.held.discard(rid)
+            self._unavailable(rid, exc)
             return None
         if parts is None:
             return None
-        if type(parts) is np.ndarray:  # (the usual step: one view of the step's rows)
-            self.held.add(rid, parts)
-        elif isinstance(parts, RouteManifest):  # keys-only: delivered in the final output's kv_transfer_params
+        if isinstance(parts, RouteManifest):  # keys-only: delivered in the final output's kv_transfer_params
             self.manifests[rid] = parts.to_dict()
             return None
-        else:
-            self._hold(rid, parts)
+        self._hold(rid, parts)
         params = request.sampling_params
         # streamed (and stop-string) requests get their rows every step: the server sends each
         # step's rows with its tokens (held rows of earlier prefill chunks included)
@@ -257,12 +250,16 @@ class SchedulerBridge:
             try:
                 parts = self.connector.take_output_parts(output, request)
             except BlockStoreError as exc:
-                logger.error("auxout: routes of request %s are unavailable: %s", rid, exc)
-                self.failed[rid] = str(exc)
-                self.held.discard(rid)
+                self._unavailable(rid, exc)
                 continue
             if parts is not None and not isinstance(parts, RouteManifest):
                 self._hold(rid, parts)
+
+    def _unavailable(self, rid: str, exc: BlockStoreError) -> None:
+        """A request whose routes could not be assembled fails alone (``finish_reason=error``)."""
+        logger.error("auxout: routes of request %s are unavailable: %s", rid, exc)
+        self.failed[rid] = str(exc)
+        self.held.discard(rid)
 
     def _hold(self, rid: str, parts: np.ndarray | list[np.ndarray | StoreRows]) -> None:
         """Hold a step's rows (a prefix hit's come in two parts: joined once, when handed over)."""
