@@ -104,6 +104,9 @@ class SchedulerConnector:
         self.recomputed_tokens = 0  # prefix-hit tokens recomputed because their routes were unreadable
         self.recomputed_requests = 0
         self.inline_fallbacks: dict[str, str] = {}  # keys-mode requests answered inline, and why (engines pop)
+        self._arange = np.arange(0, dtype=np.int64)  # (take_step's one-row-each spans)
+        # take_step's last batch: (step ids, requests, position of each request in the step)
+        self._step_cache: tuple[list[str], list[SchedRequest], np.ndarray] | None = None
 
     def add_request(
         self,
@@ -115,6 +118,7 @@ class SchedulerConnector:
     ) -> None:
         """Validate a request's route options at admission; raises ``RequestValidationError``."""
         start = validate_prompt_start(prompt_start, prompt_len)
+        self._step_cache = None  # (options checked once per batch: a new request may reuse an id)
         if return_routes is None:
             ret = self.default_return
         elif isinstance(return_routes, bool):
@@ -185,6 +189,7 @@ class SchedulerConnector:
     def request_finished(self, request: SchedRequest, *, preempted: bool = False) -> None:
         """Terminal event on preemption, finish or abort; call before the KV blocks are freed."""
         rid = request.request_id
+        self._step_cache = None
         if not preempted:
             self._options.pop(rid, None)
             self._delivered.pop(rid, None)
@@ -337,6 +342,43 @@ class SchedulerConnector:
             delivered[rid] = t + e
         return res
 
+    def take_step(self, output: StepOutput | None, requests: Sequence[SchedRequest]) -> np.ndarray | None:
+        """``take_outputs`` for a plain decode step, vectorized: the step's rows, or None.
+
+        Applies when ``requests`` (any order) are exactly the step's requests, none finished
+        or in keys-only mode, all returning routes, and each accepted exactly the one row it
+        emitted (``num_tokens - 1 == token_start + 1``). Then row ``i`` of the result belongs to
+        ``output.req_ids[i]`` (hold it with ``HeldRows.add_step``) and the delivered cursors
+        moved as ``take_outputs`` would move them. None: nothing changed, use ``take_outputs``.
+        """
+        n = len(requests)
+        if output is None or n == 0 or n != len(output.req_ids) or output.errors or output.heads or self._keys_mode:
+            return None
+        ar = self._arange
+        if len(ar) <= n:
+            ar = self._arange = np.arange(2 * n + 2, dtype=np.int64)
+        lo, hi = output.lo, output.hi
+        if lo.dtype != np.int64 or hi.dtype != np.int64 or lo.tobytes() != ar[:n].tobytes() or hi.tobytes() != ar[1 : n + 1].tobytes():
+            return None  # (not one row each at rows[i])
+        ids = output.req_ids
+        cache = self._step_cache
+        if cache is not None and cache[1] == requests and cache[0] == ids:  # (identity first: the same objects)
+            perm = cache[2]
+        else:
+            index = {rid: i for i, rid in enumerate(ids)}
+            default = (0, self.default_return)
+            pos = [index.get(r.request_id, -1) for r in requests]
+            if -1 in pos or len(set(pos)) != n or not all(self._options.get(r.request_id, default)[1] for r in requests):
+                return None
+            perm = np.array(pos, dtype=np.int64)
+            self._step_cache = (list(ids), list(requests), perm)
+        ts = output.token_starts
+        num_tokens = np.fromiter([r.num_tokens for r in requests], dtype=np.int64, count=n)
+        if num_tokens.tobytes() != (ts[perm] + 2).tobytes():
+            return None  # (a request accepted other than its one row: the per-request path clips)
+        self._delivered.update(zip(ids, (ts + 1).tolist()))
+        return output.rows[:n]
+
     def _take_or_error(
         self, output: StepOutput | None, request: SchedRequest, finished: bool
     ) -> np.ndarray | RouteManifest | RoutesUnavailableError | None:
@@ -355,6 +397,7 @@ class SchedulerConnector:
 
     def forget(self, request_id: str) -> None:
         """Drop a request that was rejected before it was ever scheduled."""
+        self._step_cache = None
         self._options.pop(request_id, None)
         self._delivered.pop(request_id, None)
 

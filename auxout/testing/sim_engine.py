@@ -207,9 +207,11 @@ class SimEngine:
         shared_store: bool = False,
         namespace: str = "sim",
         on_finish: Callable[[SimResult], None] | None = None,
+        bulk_steps: bool = True,
     ) -> None:
         """``shared_store``: ``store`` is reachable by other engines too (the scheduler may ask it
-        for routes this engine did not publish)."""
+        for routes this engine did not publish). ``bulk_steps``: take a plain decode step's rows
+        whole (``take_step``), as vLLM's bridge does; False: always per request."""
         self.model = model
         self.kv_connector = kv_connector
         self.on_finish = on_finish  # called as each request finishes (e.g. fetch its manifest at once)
@@ -226,6 +228,8 @@ class SimEngine:
         inner = store if store is not None else ArenaStore(store_bytes or num_kv_blocks * object_nbytes, object_nbytes)
         self.store = BackgroundStore(inner, max_pending=2 * max_num_seqs, inline_below=inline_below)
         self.held = HeldRows(compact_every=3)  # small: every long request exercises compaction
+        self.bulk_steps = bulk_steps
+        self.bulk_taken = 0  # decode steps whose rows were taken whole (take_step)
         keyspace = KeySpace(namespace)
         publisher = KeysPublisher(
             self.store, profile=profile, keyspace=keyspace, block_size=block_size, address=store_address(inner)
@@ -485,6 +489,12 @@ class SimEngine:
             if toks or req.rid in spans:  # rows are returned as soon as they are captured
                 emitted.append(req)
         finished = [len(r.output) >= r.max_tokens for r in emitted]
+        if self.bulk_steps and output is not None and not any(finished):  # as vLLM's bridge does
+            step_rows = self.scheduler.take_step(output, emitted)
+            if step_rows is not None:
+                self.held.add_step(output.req_ids, step_rows)
+                self.bulk_taken += 1
+                return
         chunks = self.scheduler.take_outputs(output, emitted, finished)
         for req, fin, chunk in zip(emitted, finished, chunks):
             if isinstance(chunk, RoutesUnavailableError):  # fail this request, not the engine

@@ -63,6 +63,7 @@ def scenarios(draw: st.DrawFn) -> dict:
         draft_acceptance=draw(st.sampled_from([0.0, 0.5, 0.9, 1.0])),
         seed=draw(st.integers(0, 2**16)),
         inline_below=draw(st.sampled_from([0, 0, 1 << 20])),  # publication on the writer or in place
+        bulk_steps=draw(st.booleans()),  # decode steps' rows taken whole (take_step) or per request
     )
     model = draw(st.sampled_from(sorted(MODELS)))
     turns = draw(st.integers(1, 3))
@@ -117,6 +118,7 @@ def long_decodes(draw: st.DrawFn) -> dict:
         data_seed=draw(st.integers(0, 2**16)), aborts=draw(st.integers(0, min(1, convs - 1))), salted=False,
         keys_share=0.0,
         store_size=draw(st.sampled_from(["roomy", "default"])), external="none",
+        opt_out=0.0,  # (a request that opts out keeps its batch off the lane: covered by the test above)
     )  # fmt: skip
 
 
@@ -171,7 +173,7 @@ def run_scenario(sc: dict, stats: dict | None = None) -> int:
                 int(rng.integers(sc.get("min_tokens", 1), sc["max_tokens"] + 1)),
                 prompt_start=start,
                 cache_salt=salt,
-                return_routed_experts=bool(rng.random() > 0.15),
+                return_routed_experts=bool(rng.random() >= sc.get("opt_out", 0.15)),
                 output="keys" if rng.random() < keys_share else "inline",
             )
         for i in range(sc["aborts"]):
@@ -201,6 +203,7 @@ def run_scenario(sc: dict, stats: dict | None = None) -> int:
         peer.close()
     if stats is not None:
         stats["lane_steps"] = eng.worker.lane_steps
+        stats["bulk_taken"] = eng.bulk_taken
         stats["steps"] = eng.num_steps
     eng.close()
     return checked
@@ -231,6 +234,7 @@ def test_decode_lane_routes_match_full_forward(sc: dict) -> None:
     assert run_scenario(sc, stats) > 0
     # with decodes this long the lane carries most steps; the oracle checked every row of them
     assert stats["lane_steps"] > 0, stats
+    assert stats["bulk_taken"] > 0, stats  # and the scheduler took their rows whole (take_step)
 
 
 def test_keys_manifest_falls_back_inline_when_the_store_cannot_hold_it() -> None:

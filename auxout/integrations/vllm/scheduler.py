@@ -197,6 +197,11 @@ class SchedulerBridge:
         """After vLLM's loop: take the queued requests' rows, then hold what nobody collected."""
         deferred, self._deferred = self._deferred, []
         self._bulk = None
+        if deferred and step is not None and len(deferred) == len(step.req_ids):
+            rows = self.connector.take_step(step, deferred)  # (a decode step of a steady batch)
+            if rows is not None:
+                self.held.add_step(step.req_ids, rows)
+                return  # every request of the step took its row: nothing is uncollected
         if deferred and step is not None:
             add = self.held.add
             for request, rows in zip(deferred, self.connector.take_outputs(step, deferred)):
