@@ -64,3 +64,51 @@ def test_store_rows_gather_into_any_destination_and_join_with_arrays() -> None:
     own = rng.integers(0, 255, (2, 3, 2), dtype=np.uint8)
     assert np.array_equal(join_rows([whole[2:9], own, whole[:1]]), np.concatenate([flat[2:9], own, flat[:1]]))
     assert np.array_equal(pickle.loads(pickle.dumps(whole[1:7])), flat[1:7])
+
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("step"), st.permutations(["a", "b", "c", "d"]).map(lambda p: p[:3])),
+        st.tuples(st.just("step_same"), st.none()),
+        st.tuples(st.just("add"), st.sampled_from("abcd")),
+        st.tuples(st.just("pop"), st.sampled_from("abcd")),
+        st.tuples(st.just("discard"), st.sampled_from("abcd")),
+        st.tuples(st.just("contains"), st.sampled_from("abcd")),
+    ),
+    max_size=40,
+)
+
+
+@given(ops=ops, every=st.integers(2, 5))
+def test_steps_held_whole_equal_one_row_per_request(ops: list, every: int) -> None:
+    """``add_step`` (a decode step's rows held once) gives every request the rows, in the order,
+    that one ``add`` per request gives, however steps mix with other calls."""
+    whole, each = HeldRows(compact_every=every), HeldRows(compact_every=every)
+    last: list[str] = ["a", "b", "c"]
+    rng = np.random.default_rng(len(ops))
+    for kind, arg in ops:
+        if kind in ("step", "step_same"):
+            ids = list(arg) if kind == "step" else last  # (step_same: the very list again, as a batch repeats)
+            rows = rng.integers(0, 255, (len(ids), 2, 2)).astype(np.uint8)
+            whole.add_step(ids, rows)
+            for i, rid in enumerate(ids):
+                each.add(rid, rows[i : i + 1])
+            last = ids
+        elif kind == "add":
+            rows = rng.integers(0, 255, (2, 2, 2)).astype(np.uint8)
+            whole.add(arg, rows)
+            each.add(arg, rows)
+        elif kind == "pop":
+            got, want = whole.pop(arg), each.pop(arg)
+            assert (got is None and want is None) or (got is not None and want is not None and np.array_equal(got, want))
+        elif kind == "discard":
+            whole.discard(arg)
+            each.discard(arg)
+        else:
+            assert (arg in whole) == (arg in each)
+    assert len(whole) == len(each)
+    for rid in "abcd":
+        got, want = whole.pop(rid), each.pop(rid)
+        assert (got is None and want is None) or (got is not None and want is not None and np.array_equal(got, want))
+    with pytest.raises(ValueError, match="2 rows for 3 requests"):
+        whole.add_step(["a", "b", "c"], np.zeros((2, 2, 2), np.uint8))

@@ -497,3 +497,54 @@ def test_span_rows_of_a_head_and_own_rows_equal_the_joined_rows(n_head: int, n_o
     got = out.span_rows("r", n + lo, n + hi)
     got = join_rows(got) if isinstance(got, list) else got
     assert got.shape == joined[lo:hi].shape and np.array_equal(got, joined[lo:hi])
+
+
+@given(
+    n=st.integers(1, 5),
+    data=st.data(),
+)
+def test_take_step_equals_take_outputs_or_declines(n: int, data) -> None:  # type: ignore[no-untyped-def]
+    """A decode step taken whole gives each request the row, and moves the delivered cursor,
+    exactly as ``take_outputs``; any step it cannot take whole it declines and changes nothing."""
+    whole, each = SchedulerConnector(), SchedulerConnector()
+    ids = [f"r{i}" for i in range(n)]
+    starts = [data.draw(st.integers(0, 30), label=f"start{i}") for i in range(n)]
+    # accepted rows per request: 1 is the decode step; others are what a stale or unsampled chunk sees
+    accepted = [data.draw(st.sampled_from([1, 1, 1, 0, -1, 2]), label=f"accepted{i}") for i in range(n)]
+    opted = [data.draw(st.sampled_from([True, True, True, False]), label=f"opt{i}") for i in range(n)]
+    for sc in (whole, each):
+        for rid, ok in zip(ids, opted):
+            sc.add_request(rid, 1, return_routes=ok)
+    out = output({rid: (t, ROWS[t : t + 1]) for rid, t in zip(ids, starts)})
+    requests = [Req(rid, t + 1 + a) for rid, t, a in zip(ids, starts, accepted)]
+    order = data.draw(st.permutations(range(n)), label="order")  # engines loop in their own order
+    requests = [requests[i] for i in order]
+    if data.draw(st.booleans(), label="drop one") and n > 1:
+        requests = requests[1:]
+    rows = whole.take_step(out, requests)
+    want = each.take_outputs(out, requests)
+    if rows is None:
+        assert len(requests) < n or not all(opted) or accepted != [1] * n
+        assert whole._delivered == {}
+        return
+    assert len(requests) == n and all(opted) and accepted == [1] * n
+    by_id = {r.request_id: w for r, w in zip(requests, want)}
+    for i, rid in enumerate(out.req_ids):
+        assert np.array_equal(rows[i : i + 1], by_id[rid])
+    assert whole._delivered == each._delivered
+
+
+def test_take_step_rechecks_options_when_a_request_comes_back() -> None:
+    """The batch check is cached, but a request id re-added (here: opting out) is checked again."""
+    sc = SchedulerConnector()
+    sc.add_request("a", 1)
+    sc.add_request("b", 1)
+    requests = [Req("a", 12), Req("b", 7)]
+    assert sc.take_step(output({"a": (10, ROWS[:1]), "b": (5, ROWS[1:2])}), requests) is not None
+    assert sc.take_step(output({"a": (11, ROWS[:1]), "b": (6, ROWS[1:2])}), [Req("a", 13), Req("b", 8)]) is not None
+    sc.request_finished(requests[1])
+    sc.add_request("b", 1, return_routes=False)
+    requests[0].num_tokens, requests[1].num_tokens = 14, 9
+    assert sc.take_step(output({"a": (12, ROWS[:1]), "b": (7, ROWS[1:2])}), requests) is None
+    two = output({"a": (12, ROWS[:2])})  # two rows for one request: not a decode step
+    assert sc.take_step(two, [Req("a", 14)]) is None
