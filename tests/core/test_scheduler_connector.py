@@ -541,9 +541,9 @@ def test_take_step_rechecks_options_when_a_request_comes_back() -> None:
     sc.add_request("b", 1)
     requests = [Req("a", 12), Req("b", 7)]
     assert sc.take_step(output({"a": (10, ROWS[:1]), "b": (5, ROWS[1:2])}), requests) is not None
-    assert sc.take_step(output({"a": (11, ROWS[:1]), "b": (6, ROWS[1:2])}), [Req("a", 13), Req("b", 8)]) is not None
-    sc.request_finished(requests[1])
-    sc.add_request("b", 1, return_routes=False)
+    requests[0].num_tokens, requests[1].num_tokens = 13, 8  # (the same request objects, a step later)
+    assert sc.take_step(output({"a": (11, ROWS[:1]), "b": (6, ROWS[1:2])}), requests) is not None
+    sc.add_request("b", 1, return_routes=False)  # (the same request objects: only the options changed)
     requests[0].num_tokens, requests[1].num_tokens = 14, 9
     assert sc.take_step(output({"a": (12, ROWS[:1]), "b": (7, ROWS[1:2])}), requests) is None
     two = output({"a": (12, ROWS[:2])})  # two rows for one request: not a decode step
