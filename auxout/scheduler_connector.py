@@ -18,6 +18,7 @@ keeps failing (``MAX_RECOMPUTES``), which normal operation never reaches.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from operator import attrgetter, sub
 from typing import Protocol
 
 import numpy as np
@@ -37,6 +38,8 @@ from auxout.route_index import ContainsFn, RouteIndex
 from auxout.store_rows import StoreRows, join_rows
 
 OUTPUT_MODES = ("inline", "keys")
+_num_tokens = attrgetter("num_tokens")
+_plus_one = (1).__add__
 MAX_RECOMPUTES = 8
 """Restarts of one request for unreadable prefix routes before it fails (a guard, not a policy)."""
 
@@ -104,9 +107,9 @@ class SchedulerConnector:
         self.recomputed_tokens = 0  # prefix-hit tokens recomputed because their routes were unreadable
         self.recomputed_requests = 0
         self.inline_fallbacks: dict[str, str] = {}  # keys-mode requests answered inline, and why (engines pop)
-        self._arange = np.arange(0, dtype=np.int64)  # (take_step's one-row-each spans)
+        self._one_row_spans: dict[int, tuple[bytes, bytes]] = {}  # take_step: lo, hi of n one-row spans
         # take_step's last batch: (step ids, requests, position of each request in the step)
-        self._step_cache: tuple[list[str], list[SchedRequest], np.ndarray] | None = None
+        self._step_cache: tuple[list[str], list[SchedRequest], list[int]] | None = None
 
     def add_request(
         self,
@@ -342,7 +345,9 @@ class SchedulerConnector:
             delivered[rid] = t + e
         return res
 
-    def take_step(self, output: StepOutput | None, requests: Sequence[SchedRequest]) -> np.ndarray | None:
+    def take_step(
+        self, output: StepOutput | None, requests: Sequence[SchedRequest], num_tokens: Sequence[int] | None = None
+    ) -> np.ndarray | None:
         """``take_outputs`` for a plain decode step, vectorized: the step's rows, or None.
 
         Applies when ``requests`` (any order) are exactly the step's requests, none finished
@@ -350,16 +355,19 @@ class SchedulerConnector:
         emitted (``num_tokens - 1 == token_start + 1``). Then row ``i`` of the result belongs to
         ``output.req_ids[i]`` (hold it with ``HeldRows.add_step``) and the delivered cursors
         moved as ``take_outputs`` would move them. None: nothing changed, use ``take_outputs``.
+        ``num_tokens[i]`` is ``requests[i].num_tokens``, when the engine read it already (after
+        the forward, reading it again from every request costs about 3 us each, cold).
         """
         n = len(requests)
         if output is None or n == 0 or n != len(output.req_ids) or output.errors or output.heads or self._keys_mode:
             return None
-        ar = self._arange
-        if len(ar) <= n:
-            ar = self._arange = np.arange(2 * n + 2, dtype=np.int64)
-        lo, hi = output.lo, output.hi
-        if lo.dtype != np.int64 or hi.dtype != np.int64 or lo.tobytes() != ar[:n].tobytes() or hi.tobytes() != ar[1 : n + 1].tobytes():
-            return None  # (not one row each at rows[i])
+        # (every numpy call runs cold after the forward, ~10 us each in the engine: few of them, the rest in Python)
+        spans = self._one_row_spans.get(n)
+        if spans is None:
+            q = np.arange(n + 1, dtype=np.int64)
+            spans = self._one_row_spans[n] = (q[:n].tobytes(), q[1:].tobytes())
+        if output.lo.tobytes() != spans[0] or output.hi.tobytes() != spans[1]:
+            return None  # (not one row each at rows[i]; int64 both sides)
         ids = output.req_ids
         cache = self._step_cache
         if cache is not None and cache[1] == requests and cache[0] == ids:  # (identity first: the same objects)
@@ -367,16 +375,15 @@ class SchedulerConnector:
         else:
             index = {rid: i for i, rid in enumerate(ids)}
             default = (0, self.default_return)
-            pos = [index.get(r.request_id, -1) for r in requests]
-            if -1 in pos or len(set(pos)) != n or not all(self._options.get(r.request_id, default)[1] for r in requests):
+            perm = [index.get(r.request_id, -1) for r in requests]
+            if -1 in perm or len(set(perm)) != n or not all(self._options.get(r.request_id, default)[1] for r in requests):
                 return None
-            perm = np.array(pos, dtype=np.int64)
             self._step_cache = (list(ids), list(requests), perm)
-        ts = output.token_starts
-        num_tokens = np.fromiter([r.num_tokens for r in requests], dtype=np.int64, count=n)
-        if num_tokens.tobytes() != (ts[perm] + 2).tobytes():
+        ts = output.token_starts.tolist()
+        counts = map(_num_tokens, requests) if num_tokens is None else num_tokens
+        if set(map(sub, counts, map(ts.__getitem__, perm))) != {2}:  # (C-level maps: no frame per request)
             return None  # (a request accepted other than its one row: the per-request path clips)
-        self._delivered.update(zip(ids, (ts + 1).tolist()))
+        self._delivered.update(zip(ids, map(_plus_one, ts)))
         return output.rows[:n]
 
     def _take_or_error(

@@ -521,7 +521,8 @@ def test_take_step_equals_take_outputs_or_declines(n: int, data) -> None:  # typ
     requests = [requests[i] for i in order]
     if data.draw(st.booleans(), label="drop one") and n > 1:
         requests = requests[1:]
-    rows = whole.take_step(out, requests)
+    given_tokens = [r.num_tokens for r in requests] if data.draw(st.booleans(), label="engine passes num_tokens") else None
+    rows = whole.take_step(out, requests, given_tokens)
     want = each.take_outputs(out, requests)
     if rows is None:
         assert len(requests) < n or not all(opted) or accepted != [1] * n

@@ -169,6 +169,7 @@ class SchedulerBridge:
         self.recomputed: dict[str, int] = {}  # prefix-hit tokens recomputed per live request
         self._bulk: StepOutput | None = None  # this step's output, when its plain rows are taken in bulk
         self._deferred: list[Request] = []  # running requests whose rows this step are taken in bulk
+        self._deferred_tokens: list[int] = []  # and their num_tokens
 
     def build_connector_meta(self, scheduler_output: Any, requests: Mapping[str, Request]) -> Any:
         return self.connector.build_metadata(scheduler_output.num_scheduled_tokens, requests)
@@ -187,10 +188,13 @@ class SchedulerBridge:
         that gets its rows only at finish is not served inside vLLM's loop: ``take_output``
         queues it, and ``end_step_output`` takes all of them with one ``take_outputs`` call (the
         same rows; two calls per request fewer, about 40 us less per 16-request step measured in
-        the engine: docs/performance.md).
+        the engine: docs/performance.md). When every request of the step was queued and each
+        took its one row (a steady decode batch), ``take_step`` takes the step whole and
+        ``HeldRows.add_step`` holds its rows array once: no call per request at all.
         """
         self.taken.clear()
         self._deferred = []
+        self._deferred_tokens = []
         self._bulk = step if step is not None and not step.errors and not step.heads else None
 
     def end_step_output(self, step: StepOutput | None, requests: Mapping[str, Request], skip: set[str]) -> None:
@@ -198,7 +202,7 @@ class SchedulerBridge:
         deferred, self._deferred = self._deferred, []
         self._bulk = None
         if deferred and step is not None and len(deferred) == len(step.req_ids):
-            rows = self.connector.take_step(step, deferred)  # (a decode step of a steady batch)
+            rows = self.connector.take_step(step, deferred, self._deferred_tokens)  # (a steady decode batch)
             if rows is not None:
                 self.held.add_step(step.req_ids, rows)
                 return  # every request of the step took its row: nothing is uncollected
@@ -221,6 +225,7 @@ class SchedulerBridge:
             params = request.sampling_params
             if params is not None and not params.stop and params.output_kind != RequestOutputKind.DELTA:
                 self._deferred.append(request)  # rows at finish only: taken with the others after the loop
+                self._deferred_tokens.append(request.num_tokens)  # (read now, while vLLM has it in cache)
                 return None
         try:
             parts = self.connector.take_output_parts(output, request, finished)
