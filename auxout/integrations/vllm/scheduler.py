@@ -202,9 +202,9 @@ class SchedulerBridge:
         deferred, self._deferred = self._deferred, []
         self._bulk = None
         if deferred and step is not None and len(deferred) == len(step.req_ids):
-            rows = self.connector.take_step(step, deferred, self._deferred_tokens)  # (a steady decode batch)
-            if rows is not None:
-                self.held.add_step(step.req_ids, rows)
+            whole = self.connector.take_step(step, deferred, self._deferred_tokens)  # (a steady decode batch)
+            if whole is not None:
+                self.held.add_step(step.req_ids, whole)
                 return  # every request of the step took its row: nothing is uncollected
         if deferred and step is not None:
             add = self.held.add
