@@ -63,11 +63,20 @@ class _DecodeLane:
     """
 
     slots: np.ndarray  # the batch: the very array prepare_output hands out for it
-    end: np.ndarray  # every request's next position: its capture, scheduled and emit cursors
-    flat: np.ndarray  # the staging pool token row each request's next row goes to
+    # The next ``len(flats)`` steps, precomputed (a step then runs no ufunc: the first one after a
+    # forward costs ~25 us, cold): ``ends[j]`` is every request's next position (its capture,
+    # scheduled and emit cursors) before lane step ``j`` of this window, ``flats[j]`` the staging
+    # pool token row its row of that step goes to.
+    ends: np.ndarray  # [window + 1, batch]
+    flats: np.ndarray  # [window, batch]
     q_bytes: bytes  # the batch's query_start_loc (one row each)
     due: dict[int, list[int]]  # lane step -> batch indices whose tail block fills in that step
     step: int = 0
+    j: int = 0  # this step's row in the window
+
+    @property
+    def end(self) -> np.ndarray:
+        return self.ends[self.j]
 
 
 def _excl_cumsum(counts: np.ndarray) -> np.ndarray:
@@ -190,6 +199,7 @@ class WorkerConnector:
         self._prepare_cache: tuple[int, list[str], np.ndarray] | None = None
         self._lane: _DecodeLane | None = None
         self.lane_steps = 0  # decode steps committed through the lane (for tests and benchmarks)
+        self._ramp = np.arange(block_size + 1, dtype=_I64)[:, None]  # [[0], ..., [window]]: a lane's window is a block
         self._lane_candidate: np.ndarray | None = None  # slots of the last decode step
         self._block_shape = (block_size, *profile.shape_per_token)
         # staged blocks copied out for publication: reused once the store dropped its views (a
@@ -336,7 +346,9 @@ class WorkerConnector:
             starts = np.fromiter(reqs.values(), dtype=_I64, count=len(reqs))
             all_old = old is None or np.count_nonzero(old) == len(old)
             ks, ss = (known, starts) if all_old else (known[old], starts[old])
-            if np.count_nonzero(ss > self._emit[ks]):  # ahead of the worker, unless output is in flight
+            emit = self._emit[ks]
+            # (equal bytes: the steady state, checked without a ufunc, which costs ~20 us cold after a forward)
+            if ss.tobytes() != emit.tobytes() and np.count_nonzero(ss > emit):  # ahead, unless output is in flight
                 idle = np.array([not self._busy(s) for s in ks.tolist()], dtype=bool)
                 ahead = idle & (ss > self._emit[ks])
                 if np.count_nonzero(ahead):
@@ -839,21 +851,27 @@ class WorkerConnector:
         due: dict[int, list[int]] = {}
         for i, wait in enumerate((bs - 1 - pos).tolist()):
             due.setdefault(wait, []).append(i)
-        self._lane = _DecodeLane(slots, end.copy(), tail * bs + pos, p.query_start_loc.tobytes(), due)
+        ramp = self._ramp
+        self._lane = _DecodeLane(slots, end + ramp, tail * bs + pos + ramp[:-1], p.query_start_loc.tobytes(), due)
 
     def _lane_step(self, p: PendingStep, lane: _DecodeLane) -> StepOutput | None:
         """One decode step of the lane's batch (None: not one; the caller drops the lane)."""
         ts = p.token_starts
         q = p.query_start_loc
-        if ts.tobytes() != lane.end.tobytes() or q.tobytes() != lane.q_bytes:
+        j = lane.j
+        if ts.tobytes() != lane.ends[j].tobytes() or q.tobytes() != lane.q_bytes:
             return None
         n = len(ts)
         q0 = int(q[0])
         rows = p.rows
-        self.pool.token_rows[lane.flat] = rows.reshape(len(rows), -1)[q0 : q0 + n]
-        lane.flat += 1
-        lane.end += 1
-        self._cursors[lane.slots] = lane.end[:, None]  # capture, scheduled and emit, in one call
+        self.pool.token_rows[lane.flats[j]] = rows.reshape(len(rows), -1)[q0 : q0 + n]
+        j += 1
+        self._cursors[lane.slots] = lane.ends[j][:, None]  # capture, scheduled and emit, in one call
+        if j == len(lane.flats):  # the next window: rows go on where this one's went
+            ramp = self._ramp
+            lane.ends, lane.flats = lane.ends[j] + ramp, lane.flats[j - 1] + 1 + ramp[:-1]
+            j = 0
+        lane.j = j
         due = lane.due.pop(lane.step, None)
         lane.step += 1
         self.lane_steps += 1
@@ -870,7 +888,8 @@ class WorkerConnector:
         self._publish_filled(full, self._tail[full].tolist(), (lane.end[idx] // bs - 1).tolist())
         fresh = self.pool.alloc(len(due))
         self._tail[full] = fresh
-        lane.flat[idx] = fresh * bs
+        j = lane.j
+        lane.flats[j:, idx] = fresh * bs + self._ramp[: len(lane.flats) - j]  # the rest of the window
         lane.due.setdefault(lane.step + bs - 1, []).extend(due)
 
     def _publish_filled(self, full: np.ndarray, blocks: list[int], block_index: list[int]) -> None:
