@@ -350,7 +350,7 @@ class WorkerConnector:
             # (equal bytes: the steady state, checked without a ufunc, which costs ~20 us cold after a forward)
             if ss.tobytes() != emit.tobytes() and np.count_nonzero(ss > emit):  # ahead, unless output is in flight
                 idle = np.array([not self._busy(s) for s in ks.tolist()], dtype=bool)
-                ahead = idle & (ss > self._emit[ks])
+                ahead = idle & (ss > emit)
                 if np.count_nonzero(ahead):
                     i = int(np.flatnonzero(known >= 0)[np.argmax(ahead)])
                     rid = list(reqs)[i]

@@ -201,12 +201,11 @@ class SchedulerBridge:
         """After vLLM's loop: take the queued requests' rows, then hold what nobody collected."""
         deferred, self._deferred = self._deferred, []
         self._bulk = None
-        if deferred and step is not None and len(deferred) == len(step.req_ids):
+        if deferred and step is not None:
             whole = self.connector.take_step(step, deferred, self._deferred_tokens)  # (a steady decode batch)
             if whole is not None:
                 self.held.add_step(step.req_ids, whole)
                 return  # every request of the step took its row: nothing is uncollected
-        if deferred and step is not None:
             add = self.held.add
             for request, rows in zip(deferred, self.connector.take_outputs(step, deferred)):
                 if type(rows) is np.ndarray:
