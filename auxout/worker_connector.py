@@ -50,6 +50,7 @@ class PendingStep:
     token_starts: np.ndarray
     query_start_loc: np.ndarray
     rows: np.ndarray
+    out: StepOutput | None = None  # committed already (a lane step of a ``final`` step)
 
 
 @dataclass(slots=True)
@@ -199,6 +200,7 @@ class WorkerConnector:
         self._prepare_cache: tuple[int, list[str], np.ndarray] | None = None
         self._lane: _DecodeLane | None = None
         self.lane_steps = 0  # decode steps committed through the lane (for tests and benchmarks)
+        self.lane_prepared = 0  # of them, committed already in prepare_output (``final`` steps)
         self._ramp = np.arange(block_size + 1, dtype=_I64)[:, None]  # [[0], ..., [window]]: a lane's window is a block
         self._lane_candidate: np.ndarray | None = None  # slots of the last decode step
         self._block_shape = (block_size, *profile.shape_per_token)
@@ -485,12 +487,16 @@ class WorkerConnector:
         token_starts: Sequence[int] | np.ndarray,
         query_start_loc: Sequence[int] | np.ndarray,
         rows: np.ndarray,
+        final: bool = False,
     ) -> PendingStep | None:
         """Register one executed step. ``rows`` must be a snapshot the engine never mutates again.
 
         ``token_starts[i]`` is request i's computed-token count before the step (as scheduled);
         its rows are ``rows[query_start_loc[i]:query_start_loc[i+1]]``. Trailing padding entries
-        of ``query_start_loc`` (CUDA-graph padding) are ignored.
+        of ``query_start_loc`` (CUDA-graph padding) are ignored. ``final``: no row of this step
+        can be rejected (no drafts were scheduled), so ``process_output`` will get no rejections;
+        a steady decode step (the lane's) is then committed here at once, where numpy already
+        ran for the snapshot, instead of cold after sampling (``process_output`` returns it).
         """
         self._check_open()
         if not self._step_ready:
@@ -527,6 +533,10 @@ class WorkerConnector:
             rows = np.ascontiguousarray(rows)
         step = PendingStep(self._seq, ids, slots, ts, qsl, rows)
         self._seq += 1
+        lane = self._lane
+        if final and lane is not None and slots is lane.slots and not self._pending_steps and self.max_concurrent_batches == 1:
+            step.out = self._lane_step(step, lane)  # (None: not a lane step; process_output commits it)
+            self.lane_prepared += step.out is not None
         self._pending_steps.append(step)
         return step
 
@@ -558,6 +568,10 @@ class WorkerConnector:
         try:
             if (num_sampled is not None and len(num_sampled) < n) or (num_rejected is not None and len(num_rejected) < n):
                 raise InvariantError(f"step of {n} requests needs {n} sampled and rejected counts")
+            if pending.out is not None:  # committed when prepared (``final``)
+                if num_rejected is not None and np.count_nonzero(np.asarray(num_rejected)[:n]):
+                    raise InvariantError("rows were rejected in a step prepared as final (no drafts)")
+                return pending.out
             rejected = None if num_rejected is None else np.asarray(num_rejected, dtype=_I64)[:n]
             return self._commit(pending, rejected)
         finally:

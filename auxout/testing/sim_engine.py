@@ -208,10 +208,13 @@ class SimEngine:
         namespace: str = "sim",
         on_finish: Callable[[SimResult], None] | None = None,
         bulk_steps: bool = True,
+        final_steps: bool = True,
     ) -> None:
         """``shared_store``: ``store`` is reachable by other engines too (the scheduler may ask it
         for routes this engine did not publish). ``bulk_steps``: take a plain decode step's rows
-        whole (``take_step``), as vLLM's bridge does; False: always per request."""
+        whole (``take_step``), as vLLM's bridge does; False: always per request. ``final_steps``:
+        prepare a step without drafts as ``final``, as vLLM's worker does (a lane step is then
+        committed when prepared)."""
         self.model = model
         self.kv_connector = kv_connector
         self.on_finish = on_finish  # called as each request finishes (e.g. fetch its manifest at once)
@@ -229,6 +232,7 @@ class SimEngine:
         self.store = BackgroundStore(inner, max_pending=2 * max_num_seqs, inline_below=inline_below)
         self.held = HeldRows(compact_every=3)  # small: every long request exercises compaction
         self.bulk_steps = bulk_steps
+        self.final_steps = final_steps
         self.bulk_taken = 0  # decode steps whose rows were taken whole (take_step)
         keyspace = KeySpace(namespace)
         publisher = KeysPublisher(
@@ -453,8 +457,9 @@ class SimEngine:
             num_sampled.append(len(toks))
             num_rejected.append(rejected)
         batch = np.concatenate(rows) if rows else self.model.profile.empty(0)
+        final = self.final_steps and not any(s.num_drafts for s in scheduled)
         pending = self.worker.prepare_output(
-            [s.req.rid for s in scheduled], [s.reported_start for s in scheduled], qsl, batch
+            [s.req.rid for s in scheduled], [s.reported_start for s in scheduled], qsl, batch, final=final
         )
         return pending, scheduled, np.array(num_sampled), np.array(num_rejected), sampled_tokens
 

@@ -64,6 +64,7 @@ def scenarios(draw: st.DrawFn) -> dict:
         seed=draw(st.integers(0, 2**16)),
         inline_below=draw(st.sampled_from([0, 0, 1 << 20])),  # publication on the writer or in place
         bulk_steps=draw(st.booleans()),  # decode steps' rows taken whole (take_step) or per request
+        final_steps=draw(st.booleans()),  # draft-free steps prepared as final (lane steps commit at once)
     )
     model = draw(st.sampled_from(sorted(MODELS)))
     turns = draw(st.integers(1, 3))
@@ -110,6 +111,7 @@ def long_decodes(draw: st.DrawFn) -> dict:
         seed=draw(st.integers(0, 2**16)),
         inline_below=draw(st.sampled_from([0, 1 << 20])),
         num_kv_blocks=draw(st.sampled_from([2, 16])) * convs * -(-longest // block_size),
+        final_steps=draw(st.booleans()),
     )
     return dict(
         cfg=cfg, model=draw(st.sampled_from(sorted(MODELS))), turns=turns, convs=convs, max_tokens=max_tokens,
@@ -203,6 +205,7 @@ def run_scenario(sc: dict, stats: dict | None = None) -> int:
         peer.close()
     if stats is not None:
         stats["lane_steps"] = eng.worker.lane_steps
+        stats["lane_prepared"] = eng.worker.lane_prepared
         stats["bulk_taken"] = eng.bulk_taken
         stats["steps"] = eng.num_steps
     eng.close()
@@ -235,6 +238,10 @@ def test_decode_lane_routes_match_full_forward(sc: dict) -> None:
     # with decodes this long the lane carries most steps; the oracle checked every row of them
     assert stats["lane_steps"] > 0, stats
     assert stats["bulk_taken"] > 0, stats  # and the scheduler took their rows whole (take_step)
+    if sc["cfg"]["final_steps"] and not sc["cfg"]["async_scheduling"]:
+        assert stats["lane_prepared"] > 0, stats  # lane steps committed as soon as they were prepared
+    else:
+        assert stats["lane_prepared"] == 0, stats  # (in flight or not final: committed after sampling)
 
 
 def test_keys_manifest_falls_back_inline_when_the_store_cannot_hold_it() -> None:

@@ -994,3 +994,37 @@ def test_a_next_turn_admitted_as_its_previous_turn_ends_takes_over_its_pins(heir
     assert [spy.references(key(i)) for i in hist + [9]] == [0] * 9
     # released tail-first, as without the hand-over: the chain's tail is the least recently used
     assert spy.inner.stored_keys[:9] == [key(i) for i in range(9, 0, -1)]
+
+
+def test_final_steps_commit_when_prepared_and_equal_the_commit_after_sampling() -> None:
+    """A ``final`` lane step is committed in ``prepare_output``: same outputs and store as after sampling."""
+    ta, tb = oracle(21), oracle(22)
+    early, spy_e = make()
+    late, spy_l = make()
+    for start in range(0, 3 * BS + 3):
+        hashes = {r: [base + (start + 1) // BS] for r, base in (("a", 100), ("b", 200))}  # the block it completes
+        m = meta({"a": start, "b": start}, hashes if (start + 1) % BS == 0 else None)
+        batch = [("a", start, ta[start : start + 1]), ("b", start, tb[start : start + 1])]
+        outs = []
+        for w, final in ((early, True), (late, False)):
+            w.begin_step(m)
+            qsl = [0, 1, 2]
+            p = w.prepare_output(["a", "b"], [start, start], qsl, np.concatenate([b[2] for b in batch]), final=final)
+            assert p is not None
+            outs.append(w.process_output(p, [1, 1], [0, 0]))
+        for rid, t in (("a", ta), ("b", tb)):
+            assert_emits(outs[0], rid, start, t[start : start + 1])
+            assert_emits(outs[1], rid, start, t[start : start + 1])
+        assert outs[0].published == outs[1].published
+    assert early.lane_prepared > 0 and late.lane_prepared == 0
+    assert early.lane_steps == late.lane_steps
+    assert [p[0] for p in spy_e.puts] == [p[0] for p in spy_l.puts]
+    published = [k for p in spy_e.puts for k in p[0]]
+    assert published and stored(spy_e, *published) == stored(spy_l, *published)
+    # a step prepared as final cannot have rejected rows: the caller's contract, checked
+    early.begin_step(meta({"a": 3 * BS + 3, "b": 3 * BS + 3}))
+    s = 3 * BS + 3
+    p = early.prepare_output(["a", "b"], [s, s], [0, 1, 2], np.concatenate([ta[s : s + 1], tb[s : s + 1]]), final=True)
+    assert p is not None and p.out is not None
+    with pytest.raises(InvariantError, match="prepared as final"):
+        early.process_output(p, [1, 1], [0, 1])

@@ -139,10 +139,10 @@ class AuxoutWorkerMixin:
         starts = batch.num_computed_tokens_cpu[:n]
         assert self._auxout_capture is not None
         rows = self._auxout_capture.snapshot(int(qsl[-1]))
+        spec = scheduler_output.scheduled_spec_decode_tokens  # (scheduled counts matter only with drafts)
         with self._auxout_lock:
-            pending = conn.prepare_output(req_ids, starts, qsl, rows)
+            pending = conn.prepare_output(req_ids, starts, qsl, rows, final=not spec)
         if pending is not None:
-            spec = scheduler_output.scheduled_spec_decode_tokens  # (scheduled counts matter only with drafts)
             self._auxout_pending = (
                 (pending, req_ids, dict(scheduler_output.num_scheduled_tokens), dict(spec)) if spec
                 else (pending, req_ids, {}, {})
