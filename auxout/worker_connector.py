@@ -74,6 +74,12 @@ class _DecodeLane:
     due: dict[int, list[int]]  # lane step -> batch indices whose tail block fills in that step
     step: int = 0
     j: int = 0  # this step's row in the window
+    # ``ends`` in the metadata's request order, as lists (begin_step compares the scheduler's
+    # emit starts with them without numpy): for the slots array ``meta_known``, permuted by
+    # ``meta_perm``; None until first needed in a window
+    meta_known: np.ndarray | None = None
+    meta_perm: np.ndarray | None = None
+    meta_ends: list[list[int]] | None = None
 
     @property
     def end(self) -> np.ndarray:
@@ -201,6 +207,7 @@ class WorkerConnector:
         self._lane: _DecodeLane | None = None
         self.lane_steps = 0  # decode steps committed through the lane (for tests and benchmarks)
         self.lane_prepared = 0  # of them, committed already in prepare_output (``final`` steps)
+        self.lane_begins = 0  # begin_step calls that checked the emit starts against the lane's lists
         self._ramp = np.arange(block_size + 1, dtype=_I64)[:, None]  # [[0], ..., [window]]: a lane's window is a block
         self._lane_candidate: np.ndarray | None = None  # slots of the last decode step
         self._block_shape = (block_size, *profile.shape_per_token)
@@ -338,13 +345,19 @@ class WorkerConnector:
         reqs = meta.requests
         names = list(reqs)
         cache = self._begin_cache
+        steady = False
         if cache is not None and cache[0] == self._slot_epoch and cache[1] == names:
             known = cache[2]  # (the same batch as the last step: every slot known)
             old = None
+            lane = self._lane
+            if lane is not None and not self._pending_steps:  # the lane's next step: starts as it expects
+                expect = self._lane_emit_starts(lane, known)  # (plain lists: no numpy call, cold here)
+                steady = expect is not None and expect == list(reqs.values())
+                self.lane_begins += steady
         else:
             known = np.fromiter(map(slot_of.get, names, repeat(-1, len(names))), dtype=_I64, count=len(names))
             old = known >= 0
-        if len(known):
+        if len(known) and not steady:
             starts = np.fromiter(reqs.values(), dtype=_I64, count=len(reqs))
             all_old = old is None or np.count_nonzero(old) == len(old)
             ks, ss = (known, starts) if all_old else (known[old], starts[old])
@@ -884,6 +897,7 @@ class WorkerConnector:
         if j == len(lane.flats):  # the next window: rows go on where this one's went
             ramp = self._ramp
             lane.ends, lane.flats = lane.ends[j] + ramp, lane.flats[j - 1] + 1 + ramp[:-1]
+            lane.meta_ends = None
             j = 0
         lane.j = j
         due = lane.due.pop(lane.step, None)
@@ -893,6 +907,19 @@ class WorkerConnector:
             self._lane_fill(lane, due)
         published, lost = self._route_events()
         return StepOutput(p.req_ids, ts, q[:n], q[1 : n + 1], rows, {}, published, lost)
+
+    def _lane_emit_starts(self, lane: _DecodeLane, known: np.ndarray) -> list[int] | None:
+        """The lane batch's emit cursors in the order of ``known`` (its slots as the metadata lists
+        them), as a list; None if ``known`` is not the lane's batch. Built once per window."""
+        if lane.meta_known is not known:
+            where = {s: i for i, s in enumerate(lane.slots.tolist())}
+            perm = [where.get(s, -1) for s in known.tolist()]
+            if len(perm) != len(where) or -1 in perm:
+                return None
+            lane.meta_known, lane.meta_perm, lane.meta_ends = known, np.array(perm, dtype=_I64), None
+        if lane.meta_ends is None:
+            lane.meta_ends = lane.ends[:, lane.meta_perm].tolist()
+        return lane.meta_ends[lane.j]
 
     def _lane_fill(self, lane: _DecodeLane, due: list[int]) -> None:
         """Requests ``due`` (batch indices) just filled their tail: publish (or stage) it, open the next."""

@@ -1028,3 +1028,29 @@ def test_final_steps_commit_when_prepared_and_equal_the_commit_after_sampling() 
     assert p is not None and p.out is not None
     with pytest.raises(InvariantError, match="prepared as final"):
         early.process_output(p, [1, 1], [0, 1])
+
+
+@pytest.mark.parametrize("meta_order", [("a", "b"), ("b", "a")])
+def test_lane_checks_the_scheduler_emit_starts_in_any_metadata_order(meta_order: tuple[str, str]) -> None:
+    """In the decode lane begin_step compares the emit starts with plain lists: same verdicts."""
+    t = {"a": oracle(23), "b": oracle(24)}
+    lead = {"a": 0, "b": 3}  # b prefills 4 rows in the first step: the two stay 3 positions apart
+    w, _ = make()
+    steps = 2 * BS + 2
+    for k in range(steps):
+        pos = {r: 0 if k == 0 else k + lead[r] for r in "ab"}
+        n = {r: 1 + lead[r] if k == 0 else 1 for r in "ab"}
+        done = {r: [hash(r) % 1000 + (pos[r] + n[r]) // BS] for r in "ab" if (pos[r] + n[r]) % BS < n[r]}
+        w.begin_step(meta({r: pos[r] for r in meta_order}, done))
+        rows = np.concatenate([t[r][pos[r] : pos[r] + n[r]] for r in "ab"])
+        p = w.prepare_output(["a", "b"], [pos["a"], pos["b"]], [0, n["a"], n["a"] + n["b"]], rows, final=True)
+        assert p is not None
+        out = w.process_output(p, [1, 1])
+        for r in "ab":
+            assert_emits(out, r, pos[r], t[r][pos[r] : pos[r] + n[r]])
+    assert w.lane_prepared > 0 and w.lane_begins >= w.lane_prepared - 1
+    nxt = {r: steps + lead[r] for r in meta_order}
+    ahead = dict(nxt, b=nxt["b"] + 1)
+    with pytest.raises(InvariantError, match=rf"emit cursor moved ahead .*'b'.*emit_start={nxt['b'] + 1}"):
+        w.begin_step(meta(ahead))
+    w.begin_step(meta(dict(nxt, a=nxt["a"] - 1)))  # behind the worker's cursor (rows re-sent): allowed
