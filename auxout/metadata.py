@@ -63,6 +63,10 @@ class StepOutput:
     published: list[str] = field(default_factory=list)
     lost: list[str] = field(default_factory=list)
     heads: dict[str, tuple[np.ndarray | StoreRows, int]] = field(default_factory=dict)
+    # ``token_starts`` as a list, set (by the worker's decode lane) only when request ``i``
+    # emitted exactly row ``i`` (``lo[i] == i``, ``hi[i] == i + 1``): the scheduler then takes
+    # the step without numpy (``SchedulerConnector.take_step``)
+    one_row_starts: list[int] | None = None
     _spans: dict[str, tuple[int, int, int]] | None = None
 
     def span_map(self) -> dict[str, tuple[int, int, int]]:

@@ -106,6 +106,7 @@ class SchedulerConnector:
         self.index = RouteIndex(index_capacity)
         self.recomputed_tokens = 0  # prefix-hit tokens recomputed because their routes were unreadable
         self.recomputed_requests = 0
+        self.listed_steps = 0  # steps take_step took by the worker's list of starts (no numpy)
         self.inline_fallbacks: dict[str, str] = {}  # keys-mode requests answered inline, and why (engines pop)
         self._one_row_spans: dict[int, tuple[bytes, bytes]] = {}  # take_step: lo, hi of n one-row spans
         # take_step's last batch: (step ids, requests, position of each request in the step)
@@ -361,13 +362,17 @@ class SchedulerConnector:
         n = len(requests)
         if output is None or n == 0 or n != len(output.req_ids) or output.errors or output.heads or self._keys_mode:
             return None
-        # (every numpy call runs cold after the forward, ~10 us each in the engine: few of them, the rest in Python)
-        spans = self._one_row_spans.get(n)
-        if spans is None:
-            q = np.arange(n + 1, dtype=np.int64)
-            spans = self._one_row_spans[n] = (q[:n].tobytes(), q[1:].tobytes())
-        if output.lo.tobytes() != spans[0] or output.hi.tobytes() != spans[1]:
-            return None  # (not one row each at rows[i]; int64 both sides)
+        # (every numpy call runs cold after the forward, ~10 us each in the engine: none when the
+        # worker's lane says the step is one row each, at rows[i]; the rest in Python)
+        ts = output.one_row_starts
+        if ts is None:
+            spans = self._one_row_spans.get(n)
+            if spans is None:
+                q = np.arange(n + 1, dtype=np.int64)
+                spans = self._one_row_spans[n] = (q[:n].tobytes(), q[1:].tobytes())
+            if output.lo.tobytes() != spans[0] or output.hi.tobytes() != spans[1]:
+                return None  # (not one row each at rows[i]; int64 both sides)
+            ts = output.token_starts.tolist()
         ids = output.req_ids
         cache = self._step_cache
         if cache is not None and cache[1] == requests and cache[0] == ids:  # (identity first: the same objects)
@@ -379,12 +384,13 @@ class SchedulerConnector:
             if -1 in perm or len(set(perm)) != n or not all(self._options.get(r.request_id, default)[1] for r in requests):
                 return None
             self._step_cache = (list(ids), list(requests), perm)
-        ts = output.token_starts.tolist()
         counts = map(_num_tokens, requests) if num_tokens is None else num_tokens
         if set(map(sub, counts, map(ts.__getitem__, perm))) != {2}:  # (C-level maps: no frame per request)
             return None  # (a request accepted other than its one row: the per-request path clips)
         self._delivered.update(zip(ids, map(_plus_one, ts)))
-        return output.rows[:n]
+        self.listed_steps += output.one_row_starts is not None
+        rows = output.rows
+        return rows if len(rows) == n else rows[:n]
 
     def _take_or_error(
         self, output: StepOutput | None, request: SchedRequest, finished: bool

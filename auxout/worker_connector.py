@@ -71,6 +71,7 @@ class _DecodeLane:
     ends: np.ndarray  # [window + 1, batch]
     flats: np.ndarray  # [window, batch]
     q_bytes: bytes  # the batch's query_start_loc (one row each)
+    first_row_zero: bool  # ... starting at row 0: request i's row is rows[i]
     due: dict[int, list[int]]  # lane step -> batch indices whose tail block fills in that step
     step: int = 0
     j: int = 0  # this step's row in the window
@@ -879,7 +880,8 @@ class WorkerConnector:
         for i, wait in enumerate((bs - 1 - pos).tolist()):
             due.setdefault(wait, []).append(i)
         ramp = self._ramp
-        self._lane = _DecodeLane(slots, end + ramp, tail * bs + pos + ramp[:-1], p.query_start_loc.tobytes(), due)
+        q = p.query_start_loc
+        self._lane = _DecodeLane(slots, end + ramp, tail * bs + pos + ramp[:-1], q.tobytes(), int(q[0]) == 0, due)
 
     def _lane_step(self, p: PendingStep, lane: _DecodeLane) -> StepOutput | None:
         """One decode step of the lane's batch (None: not one; the caller drops the lane)."""
@@ -906,7 +908,8 @@ class WorkerConnector:
         if due is not None:
             self._lane_fill(lane, due)
         published, lost = self._route_events()
-        return StepOutput(p.req_ids, ts, q[:n], q[1 : n + 1], rows, {}, published, lost)
+        one_row = ts.tolist() if lane.first_row_zero else None  # (lo == arange(n): see StepOutput)
+        return StepOutput(p.req_ids, ts, q[:n], q[1 : n + 1], rows, {}, published, lost, one_row_starts=one_row)
 
     def _lane_emit_starts(self, lane: _DecodeLane, known: np.ndarray) -> list[int] | None:
         """The lane batch's emit cursors in the order of ``known`` (its slots as the metadata lists

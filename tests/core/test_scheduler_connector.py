@@ -516,6 +516,8 @@ def test_take_step_equals_take_outputs_or_declines(n: int, data) -> None:  # typ
         for rid, ok in zip(ids, opted):
             sc.add_request(rid, 1, return_routes=ok)
     out = output({rid: (t, ROWS[t : t + 1]) for rid, t in zip(ids, starts)})
+    if data.draw(st.booleans(), label="worker lane lists the starts"):
+        out.one_row_starts = list(starts)  # (what the lane sets for one row each at rows[i])
     requests = [Req(rid, t + 1 + a) for rid, t, a in zip(ids, starts, accepted)]
     order = data.draw(st.permutations(range(n)), label="order")  # engines loop in their own order
     requests = [requests[i] for i in order]

@@ -207,6 +207,7 @@ def run_scenario(sc: dict, stats: dict | None = None) -> int:
         stats["lane_steps"] = eng.worker.lane_steps
         stats["lane_prepared"] = eng.worker.lane_prepared
         stats["lane_begins"] = eng.worker.lane_begins
+        stats["listed_steps"] = eng.scheduler.listed_steps
         stats["bulk_taken"] = eng.bulk_taken
         stats["steps"] = eng.num_steps
     eng.close()
@@ -239,6 +240,7 @@ def test_decode_lane_routes_match_full_forward(sc: dict) -> None:
     # with decodes this long the lane carries most steps; the oracle checked every row of them
     assert stats["lane_steps"] > 0, stats
     assert stats["bulk_taken"] > 0, stats  # and the scheduler took their rows whole (take_step)
+    assert stats["listed_steps"] > 0, stats  # by the lane's list of starts
     if not sc["cfg"]["async_scheduling"]:  # (in flight, the lane is a step behind the scheduler)
         assert stats["lane_begins"] > 0, stats  # begin_step checked the lane's steps without numpy
     if sc["cfg"]["final_steps"] and not sc["cfg"]["async_scheduling"]:
