@@ -53,6 +53,11 @@ class PendingStep:
     out: StepOutput | None = None  # committed already (a lane step of a ``final`` step)
 
 
+# A lane step drains the store's lost keys only every this many steps, or when it publishes
+# (an in-process store evicts only then; a background writer's drops are reported this late)
+_LANE_DRAIN_EVERY = 16
+
+
 @dataclass(slots=True)
 class _DecodeLane:
     """A batch that decodes one token per request per step, the same batch step after step.
@@ -905,9 +910,11 @@ class WorkerConnector:
         due = lane.due.pop(lane.step, None)
         lane.step += 1
         self.lane_steps += 1
-        if due is not None:
-            self._lane_fill(lane, due)
-        published, lost = self._route_events()
+        if due is not None or not lane.step % _LANE_DRAIN_EVERY:
+            published, lost = self._route_events() if due is None else self._lane_fill(lane, due)
+        else:  # (the store's report of lost keys, a chain of calls that run cold, waits a few steps)
+            published, self._published = self._published, []
+            lost, self._lost = self._lost, []
         one_row = ts.tolist() if lane.first_row_zero else None  # (lo == arange(n): see StepOutput)
         return StepOutput(p.req_ids, ts, q[:n], q[1 : n + 1], rows, {}, published, lost, one_row_starts=one_row)
 
@@ -924,8 +931,9 @@ class WorkerConnector:
             lane.meta_ends = lane.ends[:, lane.meta_perm].tolist()
         return lane.meta_ends[lane.j]
 
-    def _lane_fill(self, lane: _DecodeLane, due: list[int]) -> None:
-        """Requests ``due`` (batch indices) just filled their tail: publish (or stage) it, open the next."""
+    def _lane_fill(self, lane: _DecodeLane, due: list[int]) -> tuple[list[str], list[str]]:
+        """Requests ``due`` (batch indices) just filled their tail: publish (or stage) it, open the
+        next. Returns the route events, drained after the publication (its evictions included)."""
         bs = self.block_size
         idx = np.array(due, dtype=_I64)
         full = lane.slots[idx]
@@ -935,6 +943,7 @@ class WorkerConnector:
         j = lane.j
         lane.flats[j:, idx] = fresh * bs + self._ramp[: len(lane.flats) - j]  # the rest of the window
         lane.due.setdefault(lane.step + bs - 1, []).extend(due)
+        return self._route_events()
 
     def _publish_filled(self, full: np.ndarray, blocks: list[int], block_index: list[int]) -> None:
         """Slots ``full`` each just filled block ``block_index[i]``, staged in pool slot ``blocks[i]``:

@@ -20,7 +20,7 @@ from auxout.scheduler_connector import SchedulerConnector
 from auxout.store_rows import StoreRows, join_rows
 from auxout.stores import ArenaStore, BackgroundStore
 from auxout.testing import FakeMoE
-from auxout.worker_connector import PendingStep, WorkerConnector
+from auxout.worker_connector import _LANE_DRAIN_EVERY, PendingStep, WorkerConnector
 
 PROF = RouteProfile(num_layers=3, top_k=2, num_experts=16)
 BS = 4
@@ -1040,7 +1040,7 @@ def test_lane_checks_the_scheduler_emit_starts_in_any_metadata_order(meta_order:
     for k in range(steps):
         pos = {r: 0 if k == 0 else k + lead[r] for r in "ab"}
         n = {r: 1 + lead[r] if k == 0 else 1 for r in "ab"}
-        done = {r: [hash(r) % 1000 + (pos[r] + n[r]) // BS] for r in "ab" if (pos[r] + n[r]) % BS < n[r]}
+        done = {r: [{"a": 100, "b": 200}[r] + (pos[r] + n[r]) // BS] for r in "ab" if (pos[r] + n[r]) % BS < n[r]}
         w.begin_step(meta({r: pos[r] for r in meta_order}, done))
         rows = np.concatenate([t[r][pos[r] : pos[r] + n[r]] for r in "ab"])
         p = w.prepare_output(["a", "b"], [pos["a"], pos["b"]], [0, n["a"], n["a"] + n["b"]], rows, final=True)
@@ -1054,3 +1054,40 @@ def test_lane_checks_the_scheduler_emit_starts_in_any_metadata_order(meta_order:
     with pytest.raises(InvariantError, match=rf"emit cursor moved ahead .*'b'.*emit_start={nxt['b'] + 1}"):
         w.begin_step(meta(ahead))
     w.begin_step(meta(dict(nxt, a=nxt["a"] - 1)))  # behind the worker's cursor (rows re-sent): allowed
+
+
+def test_lane_reports_the_store_lost_keys_within_a_few_steps() -> None:
+    """A lane step asks the store for lost keys only every few steps (and when it publishes):
+    a key the store lost between publications still reaches the scheduler, a few steps late."""
+
+    class LossyStore(SpyStore):
+        def __init__(self, inner) -> None:  # type: ignore[no-untyped-def]
+            super().__init__(inner)
+            self.lost: list[str] = []
+            self.drains = 0
+
+        def drain_lost(self) -> list[str]:
+            self.drains += 1
+            out, self.lost = self.lost, []
+            return out
+
+    bs = 32  # (an engine's block: a lane publishes, and so drains, only every 32 steps per request)
+    store = LossyStore(ArenaStore(8 * PROF.block_nbytes(bs), PROF.block_nbytes(bs)))
+    w = WorkerConnector(PROF, block_size=bs, store=store, max_num_seqs=4, max_num_batched_tokens=64)
+    t = {"a": oracle(25, 64), "b": oracle(26, 64)}
+    reported: list[tuple[int, list[str]]] = []
+    steps = 60
+    for k in range(steps):
+        if k == bs + 2:
+            store.lost.append("gone")  # e.g. the writer dropped a batch, or another engine evicted it
+        done = {r: [{"a": 100, "b": 200}[r] + (k + 1) // bs] for r in "ab"} if (k + 1) % bs == 0 else None
+        w.begin_step(meta({"a": k, "b": k}, done))
+        p = w.prepare_output(["a", "b"], [k, k], [0, 1, 2], np.concatenate([t[r][k : k + 1] for r in "ab"]), final=True)
+        assert p is not None
+        out = w.process_output(p)
+        if out.lost:
+            reported.append((k, out.lost))
+    assert w.lane_steps > bs
+    assert reported and reported[0][1] == ["gone"] and len(reported) == 1
+    assert reported[0][0] - (bs + 2) <= _LANE_DRAIN_EVERY, reported  # a few steps late at most
+    assert store.drains < steps // 2  # (most lane steps did not call the store)
