@@ -171,6 +171,7 @@ class WorkerConnector:
                 f"({block_size} tokens × {profile.token_nbytes} B = {expected} B)"
             )
         self.profile = profile
+        self._row_dtype, self._row_shape = profile.dtype, profile.shape_per_token  # (checked every step)
         self.block_size = block_size
         self.store = store
         self.keyspace = keyspace or KeySpace()
@@ -531,7 +532,8 @@ class WorkerConnector:
         if len(qsl) != n + 1 or len(ts) != n:
             raise InvariantError(f"step of {n} requests needs {n + 1} query_start_loc and {n} token_starts")
         prof = self.profile
-        if (rows.dtype is not prof.dtype and rows.dtype != prof.dtype) or rows.shape[1:] != prof.shape_per_token or rows.ndim != 3:
+        dtype = rows.dtype
+        if (dtype is not self._row_dtype and dtype != self._row_dtype) or rows.shape[1:] != self._row_shape or rows.ndim != 3:
             raise InvariantError(
                 f"captured rows profile changed: got {rows.dtype}{list(rows.shape[1:])}, "
                 f"expected {prof.dtype}{list(prof.shape_per_token)}"

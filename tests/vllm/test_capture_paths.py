@@ -63,6 +63,10 @@ def test_capture_and_snapshot(host_buffer, num_experts):
         with pytest.raises(InvariantError, match="routed 33 tokens"):
             cap.snapshot(7)
         assert np.array_equal(cap.snapshot(7), torch.stack(step2, dim=1).numpy().astype(profile.dtype))
+        for r in routers:  # every layer routed, but fewer tokens than the step claims
+            r.fn(_ids(rng, 5, 4, num_experts))
+        with pytest.raises(InvariantError, match="routed 5 tokens, the step has 7"):
+            cap.snapshot(7)
     else:
         with pytest.raises(InvariantError, match="routed 33 tokens"):
             routers[1].fn(_ids(rng, 33, 4, num_experts))

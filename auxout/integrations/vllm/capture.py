@@ -7,7 +7,8 @@ step's snapshot is one contiguous copy. On accelerators the buffer is a device t
 capture never synchronizes with the host. On CPU it is a numpy array, and a router's call only
 keeps its ids tensor (``held[column] = topk_ids``, no Python frame at all; with routing weights
 the wrapped ``select_experts`` keeps its weights tensor the same way); the snapshot copies every
-layer's rows in one loop. A layer's forward streams its weights through the caches, so a
+layer's rows in one loop, straight into the new array it returns when every layer routed this
+step (the buffer then gets those rows only if a later call reads it). A layer's forward streams its weights through the caches, so a
 copy made inside the forward runs cold: measured about 60 us per layer in a realistic engine
 against 4 us warm, which made capture the largest of auxout's per-step costs
 (docs/performance.md). Holding the tensor is safe because the router makes a new ids tensor per
@@ -115,6 +116,9 @@ class RouteCapture:
         self._held: list[torch.Tensor | None] = [None] * profile.num_layers  # host ids not copied yet
         self._held_w: list[torch.Tensor | None] = [None] * profile.num_layers  # and their weights
         self._unweighted = 0  # id captures not (yet) followed by their weights: must be 0 at snapshot
+        self._unbuffered: np.ndarray | None = None  # the last snapshot's rows, not in the buffer yet
+        self._row_shape, self._row_dtype = profile.shape_per_token, profile.dtype
+        self._ids_on_host = self.on_host and not profile.weights  # (snapshot's direct path)
 
     def bind(self, routers: list[Any], columns: list[int] | None = None) -> None:
         """Route router ``i`` into column ``columns[i]`` (default ``i``: all layers are local).
@@ -172,6 +176,9 @@ class RouteCapture:
     def _copy_held(self) -> None:
         """Copy the ids (and weights) the host path's routers left since the last copy into the buffer."""
         held, held_w = self._held, self._held_w
+        if self._unbuffered is not None:  # the last snapshot went around the buffer: its rows first
+            last, self._unbuffered = self._unbuffered, None
+            self.host_buffer[: len(last)] = last
         if not self.profile.weights:  # (ids only: the per-step path, lean)
             ids = held[:]
             held[:] = [None] * len(held)  # (cleared first: a bad call must not stay behind for the next step)
@@ -225,6 +232,24 @@ class RouteCapture:
 
     def snapshot(self, num_rows: int) -> np.ndarray:
         """A new host array with this step's first ``num_rows`` rows (the buffer is reused next step)."""
+        held = self._held
+        # (``is`` tests, not ``None in held``: that compares with each tensor's ``==``, ~100 us)
+        if self._ids_on_host and 0 <= num_rows <= self.max_tokens and all(t is not None for t in held):
+            # every layer routed this step (no PP stage's rows in the buffer): one new array, each
+            # layer copied straight into it (the buffer's copy and the copy out of it, in one)
+            out = np.empty((num_rows, *self._row_shape), dtype=self._row_dtype)
+            ids = held[:]
+            held[:] = [None] * len(held)
+            for layer, topk_ids in enumerate(ids):
+                assert topk_ids is not None
+                rows = topk_ids.numpy()  # (sliced and measured as numpy: torch's calls cost more)
+                if len(rows) != num_rows:
+                    if self._rows(layer, topk_ids) < num_rows:
+                        raise InvariantError(f"MoE layer {layer} routed {len(rows)} tokens, the step has {num_rows}")
+                    rows = rows[:num_rows]
+                out[:, layer] = rows
+            self._unbuffered = out  # (the buffer gets these rows only if a later call reads it)
+            return out
         self._copy_held()
         if not 0 <= num_rows <= self.max_tokens:
             raise InvariantError(f"snapshot of {num_rows} rows exceeds capture buffer of {self.max_tokens}")
