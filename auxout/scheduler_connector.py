@@ -39,6 +39,7 @@ from auxout.store_rows import StoreRows, join_rows
 
 OUTPUT_MODES = ("inline", "keys")
 _num_tokens = attrgetter("num_tokens")
+_block_hashes = attrgetter("block_hashes")
 _plus_one = (1).__add__
 MAX_RECOMPUTES = 8
 """Restarts of one request for unreadable prefix routes before it fails (a guard, not a policy)."""
@@ -111,6 +112,9 @@ class SchedulerConnector:
         self._one_row_spans: dict[int, tuple[bytes, bytes]] = {}  # take_step: lo, hi of n one-row spans
         # take_step's last batch: (step ids, requests, position of each request in the step)
         self._step_cache: tuple[list[str], list[SchedRequest], list[int]] | None = None
+        # build_metadata's last batch when it was steady: (scheduled ids, their block-hash counts);
+        # while it repeats with no new hash, every emit start is the delivered cursor
+        self._meta_cache: tuple[list[str], list[int]] | None = None
 
     def add_request(
         self,
@@ -122,7 +126,7 @@ class SchedulerConnector:
     ) -> None:
         """Validate a request's route options at admission; raises ``RequestValidationError``."""
         start = validate_prompt_start(prompt_start, prompt_len)
-        self._step_cache = None  # (options checked once per batch: a new request may reuse an id)
+        self._step_cache = self._meta_cache = None  # (options checked once per batch: a new request may reuse an id)
         if return_routes is None:
             ret = self.default_return
         elif isinstance(return_routes, bool):
@@ -150,13 +154,21 @@ class SchedulerConnector:
 
     def build_metadata(self, scheduled_ids: Iterable[str], requests: Mapping[str, SchedRequest]) -> StepMetadata:
         """Metadata for one step; call after scheduling, with every live request in ``requests``."""
+        ids = list(scheduled_ids)
+        cache = self._meta_cache
+        if cache is not None and cache[0] == ids and not self._finished and len(self._sent) == len(ids):
+            # (the same batch as a step that was all decode: C-level maps, no frame per request)
+            counts = list(map(len, map(_block_hashes, map(requests.__getitem__, ids))))
+            if counts == cache[1]:  # no new block hash: each emits from its delivered cursor
+                return StepMetadata(self.generation, dict(zip(ids, map(self._delivered.__getitem__, ids))), {}, (), {})
         sent = self._sent
         options = self._options
         delivered = self._delivered
         default = (0, self.default_return)
         emit: dict[str, int] = {}
         hashes: dict[str, PackedHashes] = {}
-        for rid in scheduled_ids:
+        steady = True  # every request returns routes and has had rows delivered past its start
+        for rid in ids:
             req = requests[rid]
             bh = req.block_hashes
             nb = len(bh)
@@ -173,10 +185,16 @@ class SchedulerConnector:
             done = delivered.get(rid)
             if not ret:
                 emit[rid] = NO_EMIT
+                steady = False
             elif done is not None:  # rows go out as captured: resume where the last one went
-                emit[rid] = done if done > start else start  # (a conditional, not max(): per request per step)
+                if done > start:  # (a conditional, not max(): per request per step)
+                    emit[rid] = done
+                else:
+                    emit[rid] = start
+                    steady = False
             else:
                 emit[rid] = start if req.num_output_tokens == 0 else max(start, req.num_tokens - 1)
+                steady = False
         if len(sent) != len(emit):  # hash-only updates for tracked requests not scheduled this step
             for rid, n in sent.items():
                 if rid in emit:
@@ -188,12 +206,13 @@ class SchedulerConnector:
         finished = tuple(self._finished)
         final = {rid: pack for rid, pack in self._finished.items() if pack is not None}
         self._finished = {}
+        self._meta_cache = (ids, [sent[rid] for rid in ids]) if steady and len(sent) == len(emit) else None
         return StepMetadata(self.generation, emit, hashes, finished, final)
 
     def request_finished(self, request: SchedRequest, *, preempted: bool = False) -> None:
         """Terminal event on preemption, finish or abort; call before the KV blocks are freed."""
         rid = request.request_id
-        self._step_cache = None
+        self._step_cache = self._meta_cache = None
         if not preempted:
             self._options.pop(rid, None)
             self._delivered.pop(rid, None)
@@ -403,6 +422,7 @@ class SchedulerConnector:
     def reset(self) -> None:
         """After a successful prefix-cache reset: new generation, everything re-sent."""
         self.generation += 1
+        self._meta_cache = None
         self._sent.clear()
         self._finished.clear()
         self._delivered.clear()
@@ -410,7 +430,7 @@ class SchedulerConnector:
 
     def forget(self, request_id: str) -> None:
         """Drop a request that was rejected before it was ever scheduled."""
-        self._step_cache = None
+        self._step_cache = self._meta_cache = None
         self._options.pop(request_id, None)
         self._delivered.pop(request_id, None)
 

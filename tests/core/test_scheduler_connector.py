@@ -551,3 +551,54 @@ def test_take_step_rechecks_options_when_a_request_comes_back() -> None:
     assert sc.take_step(output({"a": (12, ROWS[:1]), "b": (7, ROWS[1:2])}), requests) is None
     two = output({"a": (12, ROWS[:2])})  # two rows for one request: not a decode step
     assert sc.take_step(two, [Req("a", 14)]) is None
+
+
+@given(data=st.data())
+def test_steady_metadata_equals_the_full_build(data) -> None:  # type: ignore[no-untyped-def]
+    """build_metadata's shortcut for a repeated all-decode batch gives exactly what the full
+    per-request build gives, through new hashes, opt-outs, finishes, preemptions and new requests."""
+    fast, slow = SchedulerConnector(), SchedulerConnector()
+    live: dict[str, Req] = {}
+    order: list[str] = []
+    next_id = 0
+    for _ in range(data.draw(st.integers(1, 40), label="ops")):
+        op = data.draw(st.sampled_from(["step", "step", "step", "step", "add", "finish"]), label="op")
+        if op == "add" or not live:
+            rid = f"r{next_id}"
+            next_id += 1
+            prompt = data.draw(st.integers(1, 12), label="prompt")
+            start = data.draw(st.integers(0, prompt), label="prompt_start")
+            ret = data.draw(st.sampled_from([True, True, True, False]), label="returns")
+            for sc in (fast, slow):
+                sc.add_request(rid, prompt, prompt_start=start, return_routes=ret)
+            live[rid] = Req(rid, prompt)
+            order.append(rid)
+        elif op == "finish":
+            rid = data.draw(st.sampled_from(order), label="finished")
+            preempted = data.draw(st.booleans(), label="preempted")
+            for sc in (fast, slow):
+                sc.request_finished(live[rid], preempted=preempted)
+            if not preempted:
+                del live[rid]
+                order.remove(rid)
+        else:
+            scheduled = list(order) if data.draw(st.booleans(), label="same batch") else data.draw(
+                st.lists(st.sampled_from(order), unique=True, min_size=1), label="batch"
+            )
+            for rid in scheduled:
+                if data.draw(st.integers(0, 5), label="new hash") == 0:
+                    live[rid].block_hashes.append(h(data.draw(st.integers(0, 10**6), label="hash")))
+            slow._meta_cache = None  # (the full build every time)
+            a, b = fast.build_metadata(scheduled, live), slow.build_metadata(scheduled, live)
+            assert a.requests == b.requests and a.finished == b.finished
+            assert {r: bytes(p.data) for r, p in a.block_hashes.items()} == {r: bytes(p.data) for r, p in b.block_hashes.items()}
+            assert {r: bytes(p.data) for r, p in a.final_hashes.items()} == {r: bytes(p.data) for r, p in b.final_hashes.items()}
+            # each scheduled request emits one row from its emit start and accepts it
+            emitting = {r: s for r, s in a.requests.items() if s != NO_EMIT}
+            out = output({r: (s, ROWS[s % len(ROWS) : s % len(ROWS) + 1]) for r, s in emitting.items()})
+            for rid, s in emitting.items():
+                live[rid].num_tokens = max(live[rid].num_tokens, s + 2)
+                live[rid].num_output_tokens += 1
+            for sc in (fast, slow):
+                sc.take_outputs(out, [live[r] for r in emitting])
+            assert fast._delivered == slow._delivered

@@ -206,6 +206,7 @@ class SchedulerBridge:
             if whole is not None:
                 self.held.add_step(step.req_ids, whole)
                 return  # every request of the step took its row: nothing is uncollected
+            self.taken.update([r.request_id for r in deferred])
             add = self.held.add
             for request, rows in zip(deferred, self.connector.take_outputs(step, deferred)):
                 if type(rows) is np.ndarray:
@@ -217,15 +218,19 @@ class SchedulerBridge:
             self.hold_uncollected(step, requests, skip)
 
     def take_output(self, request: Request, output: Any) -> np.ndarray | None:
+        bulk = self._bulk
+        if bulk is not None and output is bulk:
+            params = request.sampling_params
+            if (
+                params is not None and not params.stop and params.output_kind != RequestOutputKind.DELTA
+                and not request.is_finished()
+            ):  # fmt: skip
+                self._deferred.append(request)  # rows at finish only: taken with the others after the loop
+                self._deferred_tokens.append(request.num_tokens)  # (read now, while vLLM has it in cache)
+                return None  # (not in ``taken`` yet: end_step_output adds them if it needs to)
         rid = request.request_id
         self.taken.add(rid)
         finished = request.is_finished()
-        if self._bulk is not None and output is self._bulk and not finished:
-            params = request.sampling_params
-            if params is not None and not params.stop and params.output_kind != RequestOutputKind.DELTA:
-                self._deferred.append(request)  # rows at finish only: taken with the others after the loop
-                self._deferred_tokens.append(request.num_tokens)  # (read now, while vLLM has it in cache)
-                return None
         try:
             parts = self.connector.take_output_parts(output, request, finished)
         except BlockStoreError as exc:
