@@ -23,7 +23,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import repeat
 
 import numpy as np
@@ -76,7 +76,7 @@ class _DecodeLane:
     ends: np.ndarray  # [window + 1, batch]
     flats: np.ndarray  # [window, batch]
     q_bytes: bytes  # the batch's query_start_loc (one row each)
-    first_row_zero: bool  # ... starting at row 0: request i's row is rows[i]
+    q0: int  # ... starting at this row (0: request i's row is rows[i])
     due: dict[int, list[int]]  # lane step -> batch indices whose tail block fills in that step
     step: int = 0
     j: int = 0  # this step's row in the window
@@ -86,6 +86,9 @@ class _DecodeLane:
     meta_known: np.ndarray | None = None
     meta_perm: np.ndarray | None = None
     meta_ends: list[list[int]] | None = None
+    # lane steps whose rows are not in the staging pool yet, as (window row, step rows): written
+    # together when a tail fills, the window ends or the lane is left (``_settle_lane``)
+    pending: list[tuple[int, np.ndarray]] = field(default_factory=list)
 
     @property
     def end(self) -> np.ndarray:
@@ -888,7 +891,7 @@ class WorkerConnector:
             due.setdefault(wait, []).append(i)
         ramp = self._ramp
         q = p.query_start_loc
-        self._lane = _DecodeLane(slots, end + ramp, tail * bs + pos + ramp[:-1], q.tobytes(), int(q[0]) == 0, due)
+        self._lane = _DecodeLane(slots, end + ramp, tail * bs + pos + ramp[:-1], q.tobytes(), int(q[0]), due)
 
     def _lane_step(self, p: PendingStep, lane: _DecodeLane) -> StepOutput | None:
         """One decode step of the lane's batch (None: not one; the caller drops the lane)."""
@@ -898,12 +901,12 @@ class WorkerConnector:
         if ts.tobytes() != lane.ends[j].tobytes() or q.tobytes() != lane.q_bytes:
             return None
         n = len(ts)
-        q0 = int(q[0])
         rows = p.rows
-        self.pool.token_rows[lane.flats[j]] = rows.reshape(len(rows), -1)[q0 : q0 + n]
+        lane.pending.append((j, rows))  # (into the pool later, several steps in one call)
         j += 1
         self._cursors[lane.slots] = lane.ends[j][:, None]  # capture, scheduled and emit, in one call
         if j == len(lane.flats):  # the next window: rows go on where this one's went
+            self._settle_lane(lane)
             ramp = self._ramp
             lane.ends, lane.flats = lane.ends[j] + ramp, lane.flats[j - 1] + 1 + ramp[:-1]
             lane.meta_ends = None
@@ -917,7 +920,7 @@ class WorkerConnector:
         else:  # (the store's report of lost keys, a chain of calls that run cold, waits a few steps)
             published, self._published = self._published, []
             lost, self._lost = self._lost, []
-        one_row = ts.tolist() if lane.first_row_zero else None  # (lo == arange(n): see StepOutput)
+        one_row = ts.tolist() if lane.q0 == 0 else None  # (lo == arange(n): see StepOutput)
         return StepOutput(p.req_ids, ts, q[:n], q[1 : n + 1], rows, {}, published, lost, one_row_starts=one_row)
 
     def _lane_emit_starts(self, lane: _DecodeLane, known: np.ndarray) -> list[int] | None:
@@ -937,6 +940,7 @@ class WorkerConnector:
         """Requests ``due`` (batch indices) just filled their tail: publish (or stage) it, open the
         next. Returns the route events, drained after the publication (its evictions included)."""
         bs = self.block_size
+        self._settle_lane(lane)  # (the filled blocks' rows into the pool first)
         idx = np.array(due, dtype=_I64)
         full = lane.slots[idx]
         self._publish_filled(full, self._tail[full].tolist(), (lane.end[idx] // bs - 1).tolist())
@@ -965,11 +969,28 @@ class WorkerConnector:
                 self._staged[s][b] = block  # its hash arrives with a later step
         self._publish(None, pool_keys, pool_pub, retain, release)
 
+    def _settle_lane(self, lane: _DecodeLane) -> None:
+        """Write the rows of the lane steps not in the staging pool yet (one call for all of them)."""
+        pending = lane.pending
+        if not pending:
+            return
+        q0, n = lane.q0, len(lane.slots)
+        if len(pending) == 1:
+            j, rows = pending[0]
+            self.pool.token_rows[lane.flats[j]] = rows.reshape(len(rows), -1)[q0 : q0 + n]
+        else:
+            steps = [j for j, _ in pending]
+            rows = np.stack([r.reshape(len(r), -1)[q0 : q0 + n] for _, r in pending])  # [steps, n, row]
+            self.pool.token_rows[lane.flats[steps]] = rows
+        pending.clear()
+
     def _drop_lane(self) -> None:
-        """Leave the lane: tails it opened ahead (nothing written yet) go back to the pool."""
+        """Leave the lane: its rows into the pool; tails it opened ahead (nothing written yet) go
+        back to the pool."""
         lane = self._lane
         if lane is None:
             return
+        self._settle_lane(lane)
         self._lane = None
         self._lane_candidate = None
         ahead = np.flatnonzero(lane.end % self.block_size == 0)

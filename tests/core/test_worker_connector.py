@@ -1091,3 +1091,23 @@ def test_lane_reports_the_store_lost_keys_within_a_few_steps() -> None:
     assert reported and reported[0][1] == ["gone"] and len(reported) == 1
     assert reported[0][0] - (bs + 2) <= _LANE_DRAIN_EVERY, reported  # a few steps late at most
     assert store.drains < steps // 2  # (most lane steps did not call the store)
+
+
+def test_lane_rows_written_late_reach_the_store_when_the_batch_changes_mid_block() -> None:
+    """Lane steps put their rows into the staging pool only when a tail fills or the lane ends:
+    a batch that changes mid-block (b finishes) must not lose a's rows of that block."""
+    t = {"a": oracle(27), "b": oracle(28)}
+    w, spy = make()
+    for k in range(2 * BS):
+        live = "ab" if k < BS + 2 else "a"
+        finished = ("b",) if k == BS + 2 else ()
+        done = {r: [{"a": 100, "b": 200}[r] + k // BS] for r in live if (k + 1) % BS == 0}
+        w.begin_step(meta({r: k for r in live}, done, finished))
+        rows = np.concatenate([t[r][k : k + 1] for r in live])
+        p = w.prepare_output(list(live), [k] * len(live), list(range(len(live) + 1)), rows, final=True)
+        assert p is not None
+        out = w.process_output(p)
+        for r in live:
+            assert_emits(out, r, k, t[r][k : k + 1])
+    assert w.lane_steps >= 3  # the lane ran (a mid-block stretch of it included), and was left
+    assert stored(spy, key(100), key(101)) == t["a"][: 2 * BS].tobytes()
