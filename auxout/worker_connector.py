@@ -308,7 +308,8 @@ class WorkerConnector:
     # -- step API ---------------------------------------------------------------------------
     def begin_step(self, meta: StepMetadata | None) -> None:
         """Apply one step's metadata; ``None`` marks an internal (warm-up/dummy) step."""
-        self._check_open()
+        if self._closed:  # (checked inline: a call per hook runs cold)
+            self._check_open()
         self._step_ready = meta is not None
         if meta is None:
             return
@@ -521,7 +522,8 @@ class WorkerConnector:
         a steady decode step (the lane's) is then committed here at once, where numpy already
         ran for the snapshot, instead of cold after sampling (``process_output`` returns it).
         """
-        self._check_open()
+        if self._closed:  # (checked inline: a call per hook runs cold)
+            self._check_open()
         if not self._step_ready:
             return None
         if len(self._pending_steps) >= self.max_concurrent_batches:
@@ -576,7 +578,8 @@ class WorkerConnector:
         per request; None: none) changes what is kept. ``num_sampled`` is checked for length
         when given.
         """
-        self._check_open()
+        if self._closed:  # (checked inline: a call per hook runs cold)
+            self._check_open()
         if not self._pending_steps or self._pending_steps[0] is not pending:
             raise InvariantError("step outputs must be processed in the order they were prepared")
         n = len(pending.req_ids)
