@@ -89,6 +89,7 @@ class _DecodeLane:
     # lane steps whose rows are not in the staging pool yet, as (window row, step rows): written
     # together when a tail fills, the window ends or the lane is left (``_settle_lane``)
     pending: list[tuple[int, np.ndarray]] = field(default_factory=list)
+    behind: bool = False  # lane steps left rows and cursors for later
 
     @property
     def end(self) -> np.ndarray:
@@ -317,6 +318,9 @@ class WorkerConnector:
             raise InvariantError(
                 f"metadata generation moved backwards: {meta.generation} < {self.generation}"
             )
+        lane = self._lane
+        if lane is not None and lane.behind and (meta.finished or meta.block_hashes):
+            self._settle_lane(lane)  # (what follows reads the cursors)
         release: list[str] = []
         if meta.generation > self.generation:
             # A reset with steps in flight (async scheduling): the engine drops their outputs
@@ -369,6 +373,8 @@ class WorkerConnector:
             known = np.fromiter(map(slot_of.get, names, repeat(-1, len(names))), dtype=_I64, count=len(names))
             old = known >= 0
         if len(known) and not steady:
+            if self._lane is not None and self._lane.behind:
+                self._settle_lane(self._lane)  # (the check reads the emit cursors)
             starts = np.fromiter(reqs.values(), dtype=_I64, count=len(reqs))
             all_old = old is None or np.count_nonzero(old) == len(old)
             ks, ss = (known, starts) if all_old else (known[old], starts[old])
@@ -906,15 +912,14 @@ class WorkerConnector:
         n = len(ts)
         rows = p.rows
         lane.pending.append((j, rows))  # (into the pool later, several steps in one call)
-        j += 1
-        self._cursors[lane.slots] = lane.ends[j][:, None]  # capture, scheduled and emit, in one call
+        lane.behind = True  # (so are the cursors: they are lane.ends[lane.j] meanwhile)
+        j = lane.j = j + 1
         if j == len(lane.flats):  # the next window: rows go on where this one's went
-            self._settle_lane(lane)
+            self._settle_lane(lane)  # (with this window's rows and cursors)
             ramp = self._ramp
             lane.ends, lane.flats = lane.ends[j] + ramp, lane.flats[j - 1] + 1 + ramp[:-1]
             lane.meta_ends = None
-            j = 0
-        lane.j = j
+            lane.j = 0
         due = lane.due.pop(lane.step, None)
         lane.step += 1
         self.lane_steps += 1
@@ -973,7 +978,12 @@ class WorkerConnector:
         self._publish(None, pool_keys, pool_pub, retain, release)
 
     def _settle_lane(self, lane: _DecodeLane) -> None:
-        """Write the rows of the lane steps not in the staging pool yet (one call for all of them)."""
+        """Write what lane steps left for later: the rows not in the staging pool yet (one call for
+        all of them) and the batch's cursors (capture, scheduled and emit, in one call)."""
+        if not lane.behind:
+            return
+        lane.behind = False
+        self._cursors[lane.slots] = lane.ends[lane.j][:, None]
         pending = lane.pending
         if not pending:
             return
