@@ -8,8 +8,8 @@ capture never synchronizes with the host. On CPU it is a numpy array, and a rout
 keeps its ids tensor (``held[column] = topk_ids``, no Python frame at all; with routing weights
 the wrapped ``select_experts`` keeps its weights tensor the same way); the snapshot copies every
 layer's rows in one loop, straight into the new array it returns when every layer routed this
-step (the buffer then gets those rows only if a later call reads it). A layer's forward streams its weights through the caches, so a
-copy made inside the forward runs cold: measured about 60 us per layer in a realistic engine
+step (the buffer then gets those rows only if a later call reads it). A layer's forward streams
+its weights through the caches, so a copy made inside the forward runs cold: measured about 60 us per layer in a realistic engine
 against 4 us warm, which made capture the largest of auxout's per-step costs
 (docs/performance.md). Holding the tensor is safe because the router makes a new ids tensor per
 call and nothing writes to it in place (the EPLB remap and the dtype narrowing both copy; routers
