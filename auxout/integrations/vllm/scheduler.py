@@ -52,6 +52,10 @@ from auxout.stores import BlockStore, make_store
 
 logger = logging.getLogger("vllm.auxout")  # under vLLM's logger: its handlers and format
 
+# vLLM's ``RequestStatus.is_finished(status)`` is ``status > RequestStatus.PREEMPTED``
+_LAST_UNFINISHED = RequestStatus.PREEMPTED
+assert not RequestStatus.is_finished(_LAST_UNFINISHED) and RequestStatus.is_finished(RequestStatus.FINISHED_STOPPED)
+
 
 def request_route_options(request: Any) -> tuple[object, object, object]:
     """``(prompt_start, return_routes, output)`` as the request carries them (validated by the connector)."""
@@ -223,7 +227,7 @@ class SchedulerBridge:
             params = request.sampling_params
             if (
                 params is not None and not params.stop and params.output_kind != RequestOutputKind.DELTA
-                and not request.is_finished()
+                and request.status <= _LAST_UNFINISHED  # (``not request.is_finished()``, without two calls)
             ):  # fmt: skip
                 self._deferred.append(request)  # rows at finish only: taken with the others after the loop
                 self._deferred_tokens.append(request.num_tokens)  # (read now, while vLLM has it in cache)
