@@ -120,10 +120,14 @@ class StepOutput:
         data = rows.tobytes() if rows.nbytes < _RAW_ROWS_BELOW else rows
         return (
             self.req_ids, cols, rows.dtype, rows.shape, data, self.errors, self.published, self.lost, heads,
+            self.one_row_starts,
         )  # fmt: skip
 
     def __setstate__(self, state: tuple) -> None:
-        (self.req_ids, cols, dtype, shape, rows, self.errors, self.published, self.lost, self.heads) = state
+        (
+            self.req_ids, cols, dtype, shape, rows, self.errors, self.published, self.lost, self.heads,
+            self.one_row_starts,
+        ) = state  # fmt: skip
         n = len(self.req_ids)
         ints = np.frombuffer(cols, dtype=np.int64)  # (read-only views: a step output is never written to)
         self.token_starts, self.lo, self.hi = ints[:n], ints[n : 2 * n], ints[2 * n :]

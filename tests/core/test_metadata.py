@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+from dataclasses import fields
 
 import numpy as np
 from hypothesis import given
@@ -34,7 +35,10 @@ def test_step_output_round_trips_every_field(
     hi = np.where(lo < 0, -1, lo + 1)
     heads = {ids[0]: (rows[:2].copy(), 0)} if with_head and n else {}
     out = StepOutput(ids, starts, lo, hi, rows, {"x": "gone"}, ["k1"], ["k2"], heads)
+    if with_head:  # (drawn once for both: a lane step has no heads, but the field is independent)
+        out.one_row_starts = starts.tolist()
     back = pickle.loads(pickle.dumps(out, protocol=5))
+    assert back.one_row_starts == out.one_row_starts
     assert back.req_ids == ids and back.errors == {"x": "gone"} and back.published == ["k1"] and back.lost == ["k2"]
     for name in ("token_starts", "lo", "hi"):
         got, want = getattr(back, name), getattr(out, name)
@@ -45,6 +49,8 @@ def test_step_output_round_trips_every_field(
     assert back.heads.keys() == heads.keys()
     for rid, (head, own) in heads.items():
         assert back.heads[rid][1] == own and back.heads[rid][0].tobytes() == head.tobytes()
+    checked = {"req_ids", "token_starts", "lo", "hi", "rows", "errors", "published", "lost", "heads", "one_row_starts"}
+    assert {f.name for f in fields(StepOutput)} - {"_spans"} == checked, "a new field needs its round trip checked here"
 
 
 def test_step_metadata_round_trips() -> None:
