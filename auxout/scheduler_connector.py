@@ -18,7 +18,8 @@ keeps failing (``MAX_RECOMPUTES``), which normal operation never reaches.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from operator import attrgetter, sub
+from itertools import compress
+from operator import attrgetter, ne, sub
 from typing import Protocol
 
 import numpy as np
@@ -157,10 +158,20 @@ class SchedulerConnector:
         ids = list(scheduled_ids)
         cache = self._meta_cache
         if cache is not None and cache[0] == ids and not self._finished and len(self._sent) == len(ids):
-            # (the same batch as a step that was all decode: C-level maps, no frame per request)
+            # The same batch as a step that was all decode: each emits from its delivered cursor,
+            # and only requests whose hash count moved need a look (C-level maps otherwise).
             counts = list(map(len, map(_block_hashes, map(requests.__getitem__, ids))))
-            if counts == cache[1]:  # no new block hash: each emits from its delivered cursor
-                return StepMetadata(self.generation, dict(zip(ids, map(self._delivered.__getitem__, ids))), {}, (), {})
+            new: dict[str, PackedHashes] = {}
+            if counts != cache[1]:
+                sent = self._sent
+                for i in compress(range(len(ids)), map(ne, counts, cache[1])):
+                    rid, n, nb = ids[i], cache[1][i], counts[i]
+                    if nb < n:
+                        raise InvariantError(f"KV block-hash history of request {rid!r} shrank from {n} to {nb}")
+                    new[rid] = PackedHashes.pack(requests[rid].block_hashes[n:])
+                    sent[rid] = nb
+                self._meta_cache = (ids, counts)
+            return StepMetadata(self.generation, dict(zip(ids, map(self._delivered.__getitem__, ids))), new, (), {})
         sent = self._sent
         options = self._options
         delivered = self._delivered
