@@ -13,6 +13,9 @@ _RAW_ROWS_BELOW = 1 << 16
 """A step's rows smaller than this are pickled as raw bytes (a decode step's: numpy's own array
 pickling costs more than the copy); larger ones as the array (``benchmarks/step_messages.py``)."""
 
+_ARANGE = np.arange(1 << 14, dtype=np.int64)
+_ARANGE.flags.writeable = False  # (lo/hi of unpickled one-row steps are views of it: never written)
+
 NO_EMIT = 1 << 62
 """Emit start of a request that opted out: its rows are captured and published, never emitted."""
 
@@ -65,7 +68,8 @@ class StepOutput:
     heads: dict[str, tuple[np.ndarray | StoreRows, int]] = field(default_factory=dict)
     # ``token_starts`` as a list, set (by the worker's decode lane) only when request ``i``
     # emitted exactly row ``i`` (``lo[i] == i``, ``hi[i] == i + 1``): the scheduler then takes
-    # the step without numpy (``SchedulerConnector.take_step``)
+    # the step without numpy (``SchedulerConnector.take_step``), and the step's wire form sends
+    # the token starts alone (``lo``/``hi`` are rebuilt as ``arange``)
     one_row_starts: list[int] | None = None
     _spans: dict[str, tuple[int, int, int]] | None = None
 
@@ -109,27 +113,39 @@ class StepOutput:
         return [head[x:] if x else head, self.rows[own : own + y - n_head]]
 
     def __getstate__(self) -> tuple:
-        # Sent once per step between processes: the three int64 columns go as one raw bytes
-        # object, and so do small rows (benchmarks/step_messages.py: 0.6-0.7x numpy's own pickling)
+        # Sent once per step between processes (the mp executor pickles it with the model
+        # runner's output; benchmarks/step_messages.py): the int columns go as one raw bytes
+        # object, small rows as raw bytes (numpy's own array pickling costs more than the copy),
+        # a builtin dtype as its string (a dtype object pickles through its own reduce). A
+        # one-row step (the decode lane's) sends its token starts only: lo and hi are ``arange``.
         heads = self.heads
         if heads:  # rows still in an in-process store go as arrays (StoreRows pickles as one)
             heads = {rid: (h if type(h) is np.ndarray else np.asarray(h), own) for rid, (h, own) in heads.items()}
-        cols = np.concatenate([self.token_starts, self.lo, self.hi], dtype=np.int64, casting="safe").tobytes()
+        if self.one_row_starts is not None:
+            cols = self.token_starts.astype(np.int64, copy=False).tobytes()
+        else:
+            cols = np.concatenate([self.token_starts, self.lo, self.hi], dtype=np.int64, casting="safe").tobytes()
         rows = self.rows
+        dtype = rows.dtype
         # (a large array pickles best as itself: one copy each way, where bytes would add one)
         data = rows.tobytes() if rows.nbytes < _RAW_ROWS_BELOW else rows
         return (
-            self.req_ids, cols, rows.dtype, rows.shape, data, self.errors, self.published, self.lost, heads,
-            self.one_row_starts,
+            self.req_ids, cols, dtype.str if dtype.isbuiltin else dtype, rows.shape, data, self.errors,
+            self.published, self.lost, heads, self.one_row_starts is not None,
         )  # fmt: skip
 
     def __setstate__(self, state: tuple) -> None:
         (
-            self.req_ids, cols, dtype, shape, rows, self.errors, self.published, self.lost, self.heads,
-            self.one_row_starts,
+            self.req_ids, cols, dtype, shape, rows, self.errors, self.published, self.lost, self.heads, one_row,
         ) = state  # fmt: skip
         n = len(self.req_ids)
         ints = np.frombuffer(cols, dtype=np.int64)  # (read-only views: a step output is never written to)
-        self.token_starts, self.lo, self.hi = ints[:n], ints[n : 2 * n], ints[2 * n :]
+        if one_row:
+            spans = _ARANGE if n < len(_ARANGE) else np.arange(n + 1, dtype=np.int64)
+            self.token_starts, self.lo, self.hi = ints, spans[:n], spans[1 : n + 1]
+            self.one_row_starts = ints.tolist()
+        else:
+            self.token_starts, self.lo, self.hi = ints[:n], ints[n : 2 * n], ints[2 * n :]
+            self.one_row_starts = None
         self.rows = np.frombuffer(rows, dtype=dtype).reshape(shape) if type(rows) is bytes else rows
         self._spans = None

@@ -54,14 +54,18 @@ def main() -> int:
     meta = StepMetadata(0, {r: 300 + i for i, r in enumerate(ids)})
     print(f"{n} requests, rows [*, {args.layers}, {args.top_k}] {prof.dtype}")
     print(f"  {'message':<22} {'auxout us':>10} {'plain us':>9} {'ratio':>6}")
-    for name, rows_per in (("decode StepOutput", 1), ("prefill StepOutput", 256)):
+    for name, rows_per in (("decode lane StepOutput", 0), ("decode StepOutput", 1), ("prefill StepOutput", 256)):
+        lane, rows_per = rows_per == 0, max(rows_per, 1)  # (a lane step: one row each, starts listed)
         total = n * rows_per
         rows = rng.integers(0, 128, (total, args.layers, args.top_k)).astype(prof.dtype)
         q = np.arange(0, total + 1, rows_per, dtype=np.int64)
-        out = StepOutput(ids, np.full(n, 300, np.int64), q[:n], q[1:], rows)
+        out = StepOutput(ids, np.arange(300, 300 + n, dtype=np.int64), q[:n], q[1:], rows)
+        if lane:
+            out.one_row_starts = out.token_starts.tolist()
         ours = pickle.dumps(out, protocol=5)
         back = pickle.loads(ours)
         assert back.rows.tobytes() == rows.tobytes() and back.span_map() == out.span_map()
+        assert back.one_row_starts == out.one_row_starts
         plain = pickle.dumps(plain_state(out), protocol=5)
         a = best_us(lambda: pickle.loads(pickle.dumps(out, protocol=5)))  # noqa: B023
         b = best_us(lambda: pickle.loads(pickle.dumps(plain_state(out), protocol=5)))  # noqa: B023

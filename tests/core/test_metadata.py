@@ -21,9 +21,10 @@ from auxout.profile import RouteProfile
     weights=st.booleans(),
     seed=st.integers(0, 2**16),
     with_head=st.booleans(),
+    one_row=st.booleans(),
 )
 def test_step_output_round_trips_every_field(
-    n: int, extra_rows: int, experts: int, weights: bool, seed: int, with_head: bool
+    n: int, extra_rows: int, experts: int, weights: bool, seed: int, with_head: bool, one_row: bool
 ) -> None:
     rng = np.random.default_rng(seed)
     prof = RouteProfile(num_layers=2, top_k=3, num_experts=experts, weights=weights)
@@ -31,11 +32,11 @@ def test_step_output_round_trips_every_field(
     rows.view(np.uint8)[...] = rng.integers(0, 256, rows.view(np.uint8).shape, dtype=np.uint8)
     ids = [f"r{i}" for i in range(n)]
     starts = rng.integers(0, 1000, n)
-    lo = np.where(rng.random(n) < 0.3, -1, np.arange(n))
+    lo = np.arange(n) if one_row else np.where(rng.random(n) < 0.3, -1, np.arange(n))
     hi = np.where(lo < 0, -1, lo + 1)
-    heads = {ids[0]: (rows[:2].copy(), 0)} if with_head and n else {}
+    heads = {ids[0]: (rows[:2].copy(), 0)} if with_head and n and not one_row else {}
     out = StepOutput(ids, starts, lo, hi, rows, {"x": "gone"}, ["k1"], ["k2"], heads)
-    if with_head:  # (drawn once for both: a lane step has no heads, but the field is independent)
+    if one_row:  # (a lane step: request i emitted row i only; its wire form sends the starts alone)
         out.one_row_starts = starts.tolist()
     back = pickle.loads(pickle.dumps(out, protocol=5))
     assert back.one_row_starts == out.one_row_starts
@@ -70,3 +71,14 @@ def test_a_large_step_output_round_trips_as_an_array() -> None:
     back = pickle.loads(pickle.dumps(out, protocol=5))
     assert back.rows.dtype == rows.dtype and np.array_equal(back.rows, rows)
     assert back.span_map() == out.span_map()
+
+
+def test_a_one_row_step_larger_than_the_shared_arange_round_trips() -> None:
+    n = (1 << 14) + 3  # (unpickled lo/hi are views of a shared arange up to its length)
+    prof = RouteProfile(num_layers=1, top_k=2, num_experts=8)
+    rows = prof.empty(n)
+    starts = np.arange(n, dtype=np.int64) * 3
+    q = np.arange(n + 1, dtype=np.int64)
+    out = StepOutput([f"r{i}" for i in range(n)], starts, q[:n], q[1:], rows, one_row_starts=starts.tolist())
+    back = pickle.loads(pickle.dumps(out, protocol=5))
+    assert np.array_equal(back.lo, q[:n]) and np.array_equal(back.hi, q[1:]) and back.one_row_starts == out.one_row_starts
