@@ -15,6 +15,7 @@ pickling costs more than the copy); larger ones as the array (``benchmarks/step_
 
 _ARANGE = np.arange(1 << 14, dtype=np.int64)
 _ARANGE.flags.writeable = False  # (lo/hi of unpickled one-row steps are views of it: never written)
+_COLUMNS = frozenset(("token_starts", "lo", "hi"))
 
 NO_EMIT = 1 << 62
 """Emit start of a request that opted out: its rows are captured and published, never emitted."""
@@ -114,38 +115,48 @@ class StepOutput:
 
     def __getstate__(self) -> tuple:
         # Sent once per step between processes (the mp executor pickles it with the model
-        # runner's output; benchmarks/step_messages.py): the int columns go as one raw bytes
+        # runner's output), and unpickled cold in the engine core, where each numpy call costs
+        # several microseconds (benchmarks/step_messages.py): the int columns go as one raw bytes
         # object, small rows as raw bytes (numpy's own array pickling costs more than the copy),
-        # a builtin dtype as its string (a dtype object pickles through its own reduce). A
-        # one-row step (the decode lane's) sends its token starts only: lo and hi are ``arange``.
+        # a builtin dtype as its string. A one-row step (the decode lane's) sends its token starts
+        # as the list it has, and its columns are built only if read (``__getattr__``).
         heads = self.heads
         if heads:  # rows still in an in-process store go as arrays (StoreRows pickles as one)
             heads = {rid: (h if type(h) is np.ndarray else np.asarray(h), own) for rid, (h, own) in heads.items()}
-        if self.one_row_starts is not None:
-            cols = self.token_starts.astype(np.int64, copy=False).tobytes()
-        else:
-            cols = np.concatenate([self.token_starts, self.lo, self.hi], dtype=np.int64, casting="safe").tobytes()
+        one_row = self.one_row_starts
+        cols = None if one_row is not None else (
+            np.concatenate([self.token_starts, self.lo, self.hi], dtype=np.int64, casting="safe").tobytes()
+        )  # fmt: skip
         rows = self.rows
         dtype = rows.dtype
         # (a large array pickles best as itself: one copy each way, where bytes would add one)
         data = rows.tobytes() if rows.nbytes < _RAW_ROWS_BELOW else rows
         return (
             self.req_ids, cols, dtype.str if dtype.isbuiltin else dtype, rows.shape, data, self.errors,
-            self.published, self.lost, heads, self.one_row_starts is not None,
+            self.published, self.lost, heads, one_row,
         )  # fmt: skip
 
     def __setstate__(self, state: tuple) -> None:
         (
-            self.req_ids, cols, dtype, shape, rows, self.errors, self.published, self.lost, self.heads, one_row,
+            self.req_ids, cols, dtype, shape, rows, self.errors, self.published, self.lost, self.heads,
+            self.one_row_starts,
         ) = state  # fmt: skip
-        n = len(self.req_ids)
-        ints = np.frombuffer(cols, dtype=np.int64)  # (read-only views: a step output is never written to)
-        if one_row:
-            spans = _ARANGE if n < len(_ARANGE) else np.arange(n + 1, dtype=np.int64)
-            self.token_starts, self.lo, self.hi = ints, spans[:n], spans[1 : n + 1]
-            self.one_row_starts = ints.tolist()
-        else:
+        if cols is not None:
+            n = len(self.req_ids)
+            ints = np.frombuffer(cols, dtype=np.int64)  # (read-only views: a step output is never written to)
             self.token_starts, self.lo, self.hi = ints[:n], ints[n : 2 * n], ints[2 * n :]
-            self.one_row_starts = None
-        self.rows = np.frombuffer(rows, dtype=dtype).reshape(shape) if type(rows) is bytes else rows
+        # (else left unset: ``__getattr__`` builds them from ``one_row_starts`` if they are read)
+        self.rows = np.ndarray(shape, dtype, rows) if type(rows) is bytes else rows  # (read-only: over bytes)
         self._spans = None
+
+    def __getattr__(self, name: str) -> np.ndarray:
+        """The int columns of an unpickled one-row step, built when first read (the bridge's
+        decode path reads only ``one_row_starts``)."""
+        one_row = self.one_row_starts if name in _COLUMNS else None
+        if one_row is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        n = len(one_row)
+        spans = _ARANGE if n < len(_ARANGE) else np.arange(n + 1, dtype=np.int64)
+        self.token_starts, self.lo, self.hi = np.array(one_row, dtype=np.int64), spans[:n], spans[1 : n + 1]
+        self.token_starts.flags.writeable = False
+        return getattr(self, name)
