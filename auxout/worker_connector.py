@@ -80,6 +80,8 @@ class _DecodeLane:
     flats: np.ndarray  # [window, batch]
     q_bytes: bytes  # the batch's query_start_loc (one row each)
     q0: int  # ... starting at this row (0: request i's row is rows[i])
+    lo: np.ndarray  # every lane step's row spans (read only, shared by its outputs)
+    hi: np.ndarray
     due: dict[int, list[int]]  # lane step -> batch indices whose tail block fills in that step
     step: int = 0
     j: int = 0  # this step's row in the window
@@ -903,7 +905,10 @@ class WorkerConnector:
             due.setdefault(wait, []).append(i)
         ramp = self._ramp
         q = p.query_start_loc
-        self._lane = _DecodeLane(slots, end + ramp, tail * bs + pos + ramp[:-1], q.tobytes(), int(q[0]), due)
+        n = len(slots)
+        lo, hi = q[:n].copy(), q[1 : n + 1].copy()
+        lo.flags.writeable = hi.flags.writeable = False
+        self._lane = _DecodeLane(slots, end + ramp, tail * bs + pos + ramp[:-1], q.tobytes(), int(q[0]), lo, hi, due)
 
     def _lane_step(self, p: PendingStep, lane: _DecodeLane) -> StepOutput | None:
         """One decode step of the lane's batch (None: not one; the caller drops the lane)."""
@@ -912,7 +917,6 @@ class WorkerConnector:
         j = lane.j
         if ts.tobytes() != lane.ends[j].tobytes() or q.tobytes() != lane.q_bytes:
             return None
-        n = len(ts)
         rows = p.rows
         lane.pending.append((j, rows))  # (into the pool later, several steps in one call)
         lane.behind = True  # (so are the cursors: they are lane.ends[lane.j] meanwhile)
@@ -932,7 +936,7 @@ class WorkerConnector:
             published, self._published = self._published, []
             lost, self._lost = self._lost, []
         one_row = ts.tolist() if lane.q0 == 0 else None  # (lo == arange(n): see StepOutput)
-        return StepOutput(p.req_ids, ts, q[:n], q[1 : n + 1], rows, {}, published, lost, one_row_starts=one_row)
+        return StepOutput(p.req_ids, ts, lane.lo, lane.hi, rows, {}, published, lost, one_row_starts=one_row)
 
     def _lane_emit_starts(self, lane: _DecodeLane, known: np.ndarray) -> list[int] | None:
         """The lane batch's emit cursors in the order of ``known`` (its slots as the metadata lists

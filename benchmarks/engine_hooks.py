@@ -10,6 +10,13 @@ the ``uni`` executor), so every hook runs where it is timed. Prints microseconds
     python benchmarks/engine_hooks.py              # tiny qwen3_moe, routes on, then a routes-off engine
     python benchmarks/engine_hooks.py --only on
     python benchmarks/engine_hooks.py --size realistic --gen 64 --runs 3   # 16 layers, 64 experts
+    python benchmarks/engine_hooks.py --executor mp    # vLLM-CPU's default: engine core + worker process
+
+``--executor mp`` runs the engine as ``auxout serve`` and ``engine_overhead.py`` do: the engine
+core and the worker in processes of their own, every step's ``StepMetadata`` and ``StepOutput``
+pickled between them (their ``__reduce__``/``__getstate__``/``__setstate__`` are timed too). The
+hooks are installed in those processes by a ``sitecustomize`` module this script writes to a
+temporary directory on their ``PYTHONPATH``; each process appends its timings to a file.
 
 The routes-off engine runs in a fresh process (one engine per process keeps each step's memory
 and threads as in a real server); its forward time varies by ±20% between runs on a shared
@@ -28,6 +35,15 @@ import time
 from typing import Any
 
 TIMES: dict[str, list[float]] = {}
+STARTS: dict[str, list[float]] = {}  # (mp: each call's start, to drop the warm-up's calls)
+ON_CALL: list[Any] = []  # (mp: what each timed call runs after it, in that process)
+_OUT_ENV = "AUXOUT_ENGINE_HOOKS_OUT"  # mp: where each process writes its timings
+_SITE = """import os, sys
+if os.environ.get({env!r}):
+    sys.path.insert(0, {here!r})
+    import engine_hooks
+    engine_hooks.install_in_process()
+"""
 
 
 def timed(cls: Any, name: str, label: str) -> None:
@@ -41,8 +57,41 @@ def timed(cls: Any, name: str, label: str) -> None:
             return func(*args, **kwargs)
         finally:
             TIMES.setdefault(label, []).append(time.perf_counter() - t0)
+            STARTS.setdefault(label, []).append(t0)
+            if ON_CALL:
+                ON_CALL[0]()
 
     setattr(cls, name, wrapper)
+
+
+def install_in_process() -> None:
+    """mp: time the hooks of this (engine core or worker) process; its timings go to a file
+    every 200 timed calls and at exit (perf_counter is the system's monotonic clock on Linux,
+    so the parent can drop the warm-up's calls by their start)."""
+    import atexit
+    import json
+
+    out = f"{os.environ[_OUT_ENV]}.{os.getpid()}.json"
+    instrument(True)
+    from auxout.metadata import StepMetadata, StepOutput
+
+    timed(StepOutput, "__getstate__", "auxout StepOutput.__getstate__ (worker: pickle)")
+    timed(StepOutput, "__setstate__", "auxout StepOutput.__setstate__ (engine core: unpickle)")
+    timed(StepMetadata, "__reduce__", "auxout StepMetadata.__reduce__ (engine core: pickle)")
+    calls = [0]
+
+    def dump() -> None:
+        with open(out + ".tmp", "w") as f:
+            json.dump({"times": TIMES, "starts": STARTS}, f)
+        os.replace(out + ".tmp", out)
+
+    def every_call() -> None:
+        calls[0] += 1
+        if calls[0] % 200 == 0:
+            dump()
+
+    ON_CALL.append(every_call)
+    atexit.register(dump)
 
 
 def instrument(routes: bool) -> None:
@@ -71,7 +120,19 @@ def instrument(routes: bool) -> None:
 
 
 def run(args: argparse.Namespace, routes: bool) -> None:
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    mp = args.executor == "mp"
+    if mp and _OUT_ENV not in os.environ:  # (the engine's processes must start with the hooks)
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            with open(os.path.join(tmp, "sitecustomize.py"), "w") as f:
+                f.write(_SITE.format(env=_OUT_ENV, here=os.path.dirname(os.path.abspath(__file__))))
+            path = os.pathsep.join(p for p in (tmp, os.environ.get("PYTHONPATH")) if p)
+            env = {**os.environ, _OUT_ENV: os.path.join(tmp, "times"), "PYTHONPATH": path}
+            subprocess.run([sys.executable, *sys.argv], env=env, check=True)
+        return
+    if not mp:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     import numpy as np
     from vllm import LLM, SamplingParams
@@ -79,13 +140,14 @@ def run(args: argparse.Namespace, routes: bool) -> None:
     from auxout.models import build_sized_moe, build_tiny_moe
     from auxout.vllm import engine_kwargs
 
-    instrument(routes)
+    if not mp:
+        instrument(routes)
     extra = engine_kwargs() if routes else {"enable_prefix_caching": True}
     model = build_tiny_moe(args.arch) if args.size == "tiny" else build_sized_moe(args.size)
     llm = LLM(
         model=model, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
         block_size=32, max_model_len=2048, seed=0, max_num_seqs=args.batch, disable_log_stats=True,
-        distributed_executor_backend="uni", **extra,
+        distributed_executor_backend="mp" if mp else "uni", **extra,
     )  # fmt: skip
     params = SamplingParams(max_tokens=args.gen, temperature=0.0, ignore_eos=True, detokenize=False)
 
@@ -98,7 +160,11 @@ def run(args: argparse.Namespace, routes: bool) -> None:
 
     one(-1)  # warm-up
     TIMES.clear()
+    t_warm = time.perf_counter()
     walls = [one(rep) for rep in range(args.runs)]
+    if mp:
+        llm.llm_engine.engine_core.shutdown()  # (the engine's processes write their timings at exit)
+        _collect(os.environ[_OUT_ENV], t_warm)
     steps = len(TIMES["vLLM Scheduler.schedule"])
     print(
         f"\n== routes {'on' if routes else 'off'}: {args.runs} runs of {args.batch} requests x "
@@ -113,6 +179,21 @@ def run(args: argparse.Namespace, routes: bool) -> None:
         )
 
 
+def _collect(prefix: str, since: float) -> None:
+    """mp: the timings the engine's processes wrote, without the calls made before ``since``."""
+    import glob
+    import json
+
+    TIMES.clear()
+    for path in glob.glob(prefix + ".*.json"):
+        with open(path) as f:
+            data = json.load(f)
+        for label, times in data["times"].items():
+            kept = [t for t, t0 in zip(times, data["starts"][label]) if t0 >= since]
+            if kept:
+                TIMES.setdefault(label, []).extend(kept)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--arch", default="qwen3_moe")
@@ -122,6 +203,7 @@ def main() -> int:
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--only", choices=("on", "off"))
+    ap.add_argument("--executor", choices=("uni", "mp"), default="uni", help="uni: one process; mp: vLLM-CPU's default")
     args = ap.parse_args()
     if args.only:
         run(args, args.only == "on")

@@ -134,7 +134,7 @@ class AuxoutWorkerMixin:
         runner = self.model_runner
         batch = runner.input_batch
         n = batch.num_reqs
-        req_ids = list(batch.req_ids[:n])
+        req_ids = batch.req_ids[:n]  # (a new list: vLLM reorders its own in place)
         qsl = runner.query_start_loc.np[: n + 1]  # (prepare_output copies what it keeps)
         starts = batch.num_computed_tokens_cpu[:n]
         assert self._auxout_capture is not None
