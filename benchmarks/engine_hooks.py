@@ -66,7 +66,7 @@ def timed(cls: Any, name: str, label: str) -> None:
 
 def install_in_process() -> None:
     """mp: time the hooks of this (engine core or worker) process; its timings go to a file
-    every 200 timed calls and at exit (perf_counter is the system's monotonic clock on Linux,
+    every 500 timed calls and at exit (perf_counter is the system's monotonic clock on Linux,
     so the parent can drop the warm-up's calls by their start)."""
     import atexit
     import json
@@ -79,15 +79,17 @@ def install_in_process() -> None:
     timed(StepOutput, "__setstate__", "auxout StepOutput.__setstate__ (engine core: unpickle)")
     timed(StepMetadata, "__reduce__", "auxout StepMetadata.__reduce__ (engine core: pickle)")
     calls = [0]
+    written: dict[str, int] = {}
 
-    def dump() -> None:
-        with open(out + ".tmp", "w") as f:
-            json.dump({"times": TIMES, "starts": STARTS}, f)
-        os.replace(out + ".tmp", out)
+    def dump() -> None:  # (appends only the calls not written yet: a line of JSON per dump)
+        new = {k: (v[written.get(k, 0) :], STARTS[k][written.get(k, 0) :]) for k, v in TIMES.items()}
+        written.update((k, len(v)) for k, v in TIMES.items())
+        with open(out, "a") as f:
+            f.write(json.dumps(new) + "\n")
 
     def every_call() -> None:
         calls[0] += 1
-        if calls[0] % 200 == 0:
+        if calls[0] % 500 == 0:
             dump()
 
     ON_CALL.append(every_call)
@@ -124,7 +126,7 @@ def run(args: argparse.Namespace, routes: bool) -> None:
     if mp and _OUT_ENV not in os.environ:  # (the engine's processes must start with the hooks)
         import tempfile
 
-        with tempfile.TemporaryDirectory() as tmp:
+        with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:  # (late exits may still write)
             with open(os.path.join(tmp, "sitecustomize.py"), "w") as f:
                 f.write(_SITE.format(env=_OUT_ENV, here=os.path.dirname(os.path.abspath(__file__))))
             path = os.pathsep.join(p for p in (tmp, os.environ.get("PYTHONPATH")) if p)
@@ -187,11 +189,11 @@ def _collect(prefix: str, since: float) -> None:
     TIMES.clear()
     for path in glob.glob(prefix + ".*.json"):
         with open(path) as f:
-            data = json.load(f)
-        for label, times in data["times"].items():
-            kept = [t for t, t0 in zip(times, data["starts"][label]) if t0 >= since]
-            if kept:
-                TIMES.setdefault(label, []).extend(kept)
+            for line in f:
+                for label, (times, starts) in json.loads(line).items():
+                    kept = [t for t, t0 in zip(times, starts) if t0 >= since]
+                    if kept:
+                        TIMES.setdefault(label, []).extend(kept)
 
 
 def main() -> int:
