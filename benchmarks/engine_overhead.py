@@ -5,6 +5,13 @@ background load on the machine and a drift within a pair hit both alike; the rep
 the median of per-pair ratios (on throughput / off throughput; target >= 0.97).
 
     python benchmarks/engine_overhead.py [--arch qwen3_moe] [--size realistic] [--pairs 5] [--profile]
+    python benchmarks/engine_overhead.py --separate 8 --pairs 3   # one engine per process
+
+Two live engines in one machine interact (both bind their worker to the same core): on a 2-core
+machine one engine's throughput has drifted by 20% over a run while the other held steady.
+``--separate N`` runs each engine alone in a process of its own instead (N batches, the median
+counted), the processes alternating on/off then off/on; the machine's speed then moves between
+processes instead, so use several pairs.
 
 ``--size realistic`` runs a 16-layer, 64-expert, hidden-1024 Qwen3-MoE (``auxout.models.SIZES``),
 whose step takes tens of ms, instead of the tiny model (target there: >= 0.99). For where the
@@ -52,6 +59,49 @@ def run_once(llm: Any, args: argparse.Namespace, rep: int) -> float:
     return sum(len(p["prompt_token_ids"]) + len(o.outputs[0].token_ids) for p, o in zip(prompts, outs)) / dt
 
 
+def child(args: argparse.Namespace) -> None:
+    """One engine alone in this process: prints the median of ``args.separate`` batches."""
+    from auxout.models import build_sized_moe, build_tiny_moe
+
+    path = build_tiny_moe(args.arch) if args.size == "tiny" else build_sized_moe(args.size)
+    llm = make_engine(path, args.child == "on", args)
+    run_once(llm, args, -1)  # warm-up
+    rates = [run_once(llm, args, rep) for rep in range(args.separate)]
+    print(f"THROUGHPUT {statistics.median(rates):.1f}")
+
+
+def separate(args: argparse.Namespace) -> int:
+    """Alternate one-engine processes (on/off, then off/on) and report the median pair ratio."""
+    import subprocess
+    import sys
+
+    if args.child:
+        child(args)
+        return 0
+
+    def one(side: str) -> float:
+        cmd = [sys.executable, __file__, "--child", side, "--separate", str(args.separate)] + [
+            f"--{k}={v}" for k in ("arch", "size", "batch", "prompt", "gen") for v in [getattr(args, k)]
+        ]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        lines = [ln for ln in done.stdout.splitlines() if ln.startswith("THROUGHPUT ")]
+        if done.returncode or not lines:
+            raise RuntimeError(f"the routes-{side} process failed:\n{done.stderr[-3000:]}")
+        return float(lines[-1].split()[1])
+
+    ratios = []
+    for rep in range(args.pairs):
+        if rep % 2:
+            b, a = one("off"), one("on")
+        else:
+            a, b = one("on"), one("off")
+        ratios.append(a / b)
+        print(f"pair {rep}: on {a:.0f} tok/s, off {b:.0f} tok/s, ratio {a / b:.3f}", flush=True)
+    target = 0.97 if args.size == "tiny" else 0.99
+    print(f"throughput ratio (on/off, median of pairs, one engine per process): {statistics.median(ratios):.3f}  (target >= {target})")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arch", default="qwen3_moe")
@@ -61,8 +111,12 @@ def main() -> int:
     p.add_argument("--gen", type=int, default=128)
     p.add_argument("--pairs", type=int, default=5)
     p.add_argument("--profile", action="store_true", help="cProfile the routes-on runs (in-process engine)")
+    p.add_argument("--separate", type=int, default=0, metavar="N", help="one engine per process, N batches each")
+    p.add_argument("--child", choices=("on", "off"), help=argparse.SUPPRESS)
     args = p.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if args.separate:
+        return separate(args)
     if args.profile:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from auxout.models import build_sized_moe, build_tiny_moe
