@@ -59,12 +59,15 @@ def run_once(llm: Any, args: argparse.Namespace, rep: int) -> float:
     return sum(len(p["prompt_token_ids"]) + len(o.outputs[0].token_ids) for p, o in zip(prompts, outs)) / dt
 
 
-def child(args: argparse.Namespace) -> None:
-    """One engine alone in this process: prints the median of ``args.separate`` batches."""
+def model_path(args: argparse.Namespace) -> str:
     from auxout.models import build_sized_moe, build_tiny_moe
 
-    path = build_tiny_moe(args.arch) if args.size == "tiny" else build_sized_moe(args.size)
-    llm = make_engine(path, args.child == "on", args)
+    return build_tiny_moe(args.arch) if args.size == "tiny" else build_sized_moe(args.size)
+
+
+def child(args: argparse.Namespace) -> None:
+    """One engine alone in this process: prints the median of ``args.separate`` batches."""
+    llm = make_engine(model_path(args), args.child == "on", args)
     run_once(llm, args, -1)  # warm-up
     rates = [run_once(llm, args, rep) for rep in range(args.separate)]
     print(f"THROUGHPUT {statistics.median(rates):.1f}")
@@ -74,10 +77,6 @@ def separate(args: argparse.Namespace) -> int:
     """Alternate one-engine processes (on/off, then off/on) and report the median pair ratio."""
     import subprocess
     import sys
-
-    if args.child:
-        child(args)
-        return 0
 
     def one(side: str) -> float:
         cmd = [sys.executable, __file__, "--child", side, "--separate", str(args.separate)] + [
@@ -115,13 +114,14 @@ def main() -> int:
     p.add_argument("--child", choices=("on", "off"), help=argparse.SUPPRESS)
     args = p.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if args.child:
+        child(args)
+        return 0
     if args.separate:
         return separate(args)
     if args.profile:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from auxout.models import build_sized_moe, build_tiny_moe
-
-    path = build_tiny_moe(args.arch) if args.size == "tiny" else build_sized_moe(args.size)
+    path = model_path(args)
     on = make_engine(path, True, args)
     off = make_engine(path, False, args)
     run_once(on, args, -1)  # warm-up both

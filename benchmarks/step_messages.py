@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import pickle
-import statistics
-import time
 import timeit
 from dataclasses import dataclass
 
@@ -31,25 +29,12 @@ def best_us(fn: object, number: int = 2000, repeat: int = 7) -> float:
     return min(timeit.repeat(fn, number=number, repeat=repeat)) / number * 1e6  # type: ignore[arg-type]
 
 
-_EVICT: np.ndarray | None = None
-
-
 def cold_us(obj: object, n: int = 300) -> float:
-    """Median dumps + loads of ``obj``, each after the caches were evicted (microseconds)."""
-    global _EVICT
-    if _EVICT is None:
-        _EVICT = np.ones(96 << 20, dtype=np.uint8)
-    dumps, loads = [], []
-    for _ in range(n):
-        _EVICT[::64] += 1
-        t0 = time.perf_counter()
-        data = pickle.dumps(obj, protocol=5)
-        dumps.append(time.perf_counter() - t0)
-        _EVICT[::64] += 1
-        t0 = time.perf_counter()
-        pickle.loads(data)
-        loads.append(time.perf_counter() - t0)
-    return (statistics.median(dumps) + statistics.median(loads)) * 1e6
+    """Median dumps + median loads of ``obj``, each after the caches were evicted (microseconds)."""
+    from cold_cache import median_us  # (benchmarks/cold_cache.py: the eviction, 96 MiB)
+
+    data = pickle.dumps(obj, protocol=5)
+    return median_us(lambda: pickle.dumps(obj, protocol=5), n, True) + median_us(lambda: pickle.loads(data), n, True)
 
 
 @dataclass(frozen=True, slots=True)
