@@ -194,3 +194,23 @@ def test_scheduler_opens_one_client_for_the_publisher_and_the_prefix_check() -> 
         assert contains(["k"]) == [True]
         wider.close()
     assert make_remote_contains(VllmOptions(), SharedStoreClient(VllmOptions(), 64)) is None
+
+
+def test_every_route_field_has_one_place_over_http():
+    """A field in the other place is a problem naming it (never ignored); null means unset, anywhere."""
+    from auxout.integrations.vllm.http_checks import IN_XARGS, TOP_LEVEL, body_problem, drop_null_fields
+
+    assert not set(TOP_LEVEL) & set(IN_XARGS)
+    good = {"prompt": [1, 2], "routed_experts_prompt_start": 1, "routed_experts_format": "packed",
+            "vllm_xargs": {"return_routed_experts": False, "routed_experts_output": "inline"}}  # fmt: skip
+    assert body_problem(good) is None
+    for name in TOP_LEVEL:
+        problem = body_problem({"prompt": [1], "vllm_xargs": {name: 1}})
+        assert problem is not None and problem[0] == f"vllm_xargs.{name}" and "top-level" in problem[1], problem
+    for name in IN_XARGS:
+        problem = body_problem({"prompt": [1], name: False})
+        assert problem is not None and problem[0] == name and "vllm_xargs entry" in problem[1], problem
+    nulls = {"prompt": [1], **dict.fromkeys(TOP_LEVEL + IN_XARGS), "vllm_xargs": dict.fromkeys(TOP_LEVEL + IN_XARGS)}
+    assert drop_null_fields(nulls) and nulls == {"prompt": [1], "vllm_xargs": {}}
+    assert body_problem(nulls) is None and not drop_null_fields(nulls)
+    assert not drop_null_fields({"prompt": [1], "seed": None})  # vLLM's own fields are vLLM's business

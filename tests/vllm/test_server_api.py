@@ -270,7 +270,13 @@ def test_keys_only_over_http_returns_a_manifest(server, oracle):
         ({"routed_experts_session": "s", "routed_experts_prompt_start": 3}, "routed_experts_session"),
         ({"return_routing_weights": "yes"}, "return_routing_weights"),
         ({"return_routing_weights": 1}, "return_routing_weights"),
-        ({"return_routing_weights": None}, "return_routing_weights"),
+        # each field has one place: in the other it is refused, never silently ignored
+        ({"return_routed_experts": False}, "return_routed_experts"),
+        ({"routed_experts_output": "keys"}, "routed_experts_output"),
+        ({"vllm_xargs": {"routed_experts_format": "packed"}}, "vllm_xargs.routed_experts_format"),
+        ({"vllm_xargs": {"routed_experts_session": "s"}}, "vllm_xargs.routed_experts_session"),
+        ({"vllm_xargs": {"return_routing_weights": True}}, "vllm_xargs.return_routing_weights"),
+        ({"vllm_xargs": {"routed_experts_prompt_start": 3}}, "vllm_xargs.routed_experts_prompt_start"),
     ],
 )
 def test_bad_new_fields_get_400_naming_the_field(server, oracle, extra, field):
@@ -282,6 +288,57 @@ def test_bad_new_fields_get_400_naming_the_field(server, oracle, extra, field):
         r = server.post(path, json=body(server, max_tokens=2, **payload, **extra))
         assert r.status_code == 400, (path, r.status_code, r.text)
         assert field in r.text
+    ok = server.post("/v1/completions", json=body(server, prompt=prompt, max_tokens=2)).json()["choices"][0]
+    check(oracle, prompt + ok["token_ids"], decode_routes(ok), 0)
+
+
+def test_null_route_fields_mean_unset(server, oracle):
+    """JSON null for any auxout field is "not set" (as for vLLM's own optional fields), in both places."""
+    prompt = random_prompt(np.random.default_rng(86), 40)
+    nulls = {
+        "routed_experts_prompt_start": None, "routed_experts_format": None, "routed_experts_session": None,
+        "return_routing_weights": None,
+        "vllm_xargs": {"return_routed_experts": None, "routed_experts_output": None},
+    }  # fmt: skip
+    for path, payload in (
+        ("/v1/completions", {"prompt": prompt}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ):
+        r = server.post(path, json=body(server, max_tokens=3, **payload, **nulls))
+        assert r.status_code == 200, (path, r.text)
+        res = r.json()
+        c = res["choices"][0]
+        assert c["routed_experts_format"] == "npy" and c["routed_experts_start"] == 0
+        assert c.get("routing_weights") is None and c.get("routed_experts_manifest") is None
+        check(oracle, (res.get("prompt_token_ids") or c["prompt_token_ids"]) + c["token_ids"], decode_routes(c), 0)
+
+
+def test_out_of_vocabulary_prompt_id_names_the_field(server, oracle, model_path):
+    """With a tokenizer too, the 400 names the field and the position (vLLM's own check says neither)."""
+    with open(f"{model_path}/config.json") as fh:
+        vocab = int(json.load(fh)["vocab_size"])
+    prompt = random_prompt(np.random.default_rng(87), 20)
+    r = server.post("/v1/completions", json=body(server, prompt=prompt[:7] + [vocab] + prompt[8:], max_tokens=2))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "prompt" and f"token id {vocab} at position 7" in err["message"], err
+    ok = server.post("/v1/completions", json=body(server, prompt=prompt, max_tokens=2)).json()["choices"][0]
+    check(oracle, prompt + ok["token_ids"], decode_routes(ok), 0)
+
+
+def test_beam_search_is_refused_unless_routes_are_opted_out(server, oracle):
+    """vLLM runs beam search as one-token requests: no beam gets routes, so asking for them is a 400."""
+    prompt = random_prompt(np.random.default_rng(88), 20)
+    beam = {"prompt": prompt, "max_tokens": 3, "use_beam_search": True, "n": 2}
+    r = server.post("/v1/completions", json=body(server, **beam))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "use_beam_search" and "return_routed_experts" in err["message"], err
+    r = server.post(
+        "/v1/completions", json=body(server, **beam, vllm_xargs={"return_routed_experts": False})
+    )
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 2 and all(c.get("routed_experts") is None for c in r.json()["choices"])
     ok = server.post("/v1/completions", json=body(server, prompt=prompt, max_tokens=2)).json()["choices"][0]
     check(oracle, prompt + ok["token_ids"], decode_routes(ok), 0)
 

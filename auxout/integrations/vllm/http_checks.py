@@ -3,7 +3,11 @@
 :class:`RouteFieldsCheck` is an ASGI middleware (vLLM's ``--middleware``) that reads the raw JSON
 of ``/v1/completions`` and ``/v1/chat/completions`` bodies before vLLM's pydantic models coerce
 it (they turn ``true``, ``"5"`` and ``2.0`` into ints and a ``false`` in ``vllm_xargs`` into
-``0``), and answers 400 with the field's name for a value of the wrong type. On a server without a
+``0``), and answers 400 with the field's name for a value of the wrong type or a field in the
+wrong place (vLLM ignores unknown top-level fields, and ``vllm_xargs`` passes anything on, so a
+misplaced field would otherwise be silently ignored). A JSON ``null`` for one of auxout's fields
+means "not set", as for vLLM's own optional fields: it is dropped before vLLM parses the body.
+On a server without a
 tokenizer it also answers the chat-style APIs with a 400 that says to use ``/v1/completions``
 (vLLM itself fails them with a 500 from an ``assert tokenizer is not None``).
 
@@ -27,6 +31,12 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 PROMPT_START = "routed_experts_prompt_start"
+FORMAT_FIELD = "routed_experts_format"
+SESSION_FIELD = "routed_experts_session"
+TOP_LEVEL = (PROMPT_START, FORMAT_FIELD, SESSION_FIELD, WEIGHTS_FLAG)
+"""auxout's fields that go at the top of an HTTP request body."""
+IN_XARGS = (REQUEST_FLAG, OUTPUT_FLAG)
+"""auxout's fields that go in ``vllm_xargs`` (vLLM's per-request ``extra_args``)."""
 _CHECKED_PATHS = ("/v1/completions", "/v1/chat/completions")
 _CHAT_PATHS = (  # the APIs that render messages through the chat template
     "/v1/chat/completions",
@@ -43,30 +53,58 @@ _INSTALLED = False
 
 
 def body_problem(body: object) -> tuple[str, str] | None:
-    """``(field, message)`` for the first auxout field of a request body with a wrong JSON type, else None."""
+    """``(field, message)`` for the first auxout field of a request body with a wrong JSON type or
+    in the wrong place, else None (after :func:`drop_null_fields`: a null is not a wrong type)."""
     if not isinstance(body, dict):
         return None  # vLLM answers malformed bodies itself
     start = body.get(PROMPT_START)
     if start is not None and (isinstance(start, bool) or not isinstance(start, int) or start < 0):
         return PROMPT_START, f"{PROMPT_START} must be a non-negative JSON integer, got {json.dumps(start)}"
+    for name in IN_XARGS:
+        if name in body:
+            return name, (
+                f"{name} is a vllm_xargs entry, not a top-level field of the request body: "
+                f'send {{"vllm_xargs": {{"{name}": {json.dumps(body[name])}}}, ...}}'
+            )
     xargs = body.get("vllm_xargs")
     if not isinstance(xargs, dict):
         return None
-    if PROMPT_START in xargs:
+    for name in TOP_LEVEL:
+        if name in xargs:
+            return f"vllm_xargs.{name}", (
+                f"{name} is a top-level field of the request body, not a vllm_xargs entry: "
+                f'send {{"{name}": {json.dumps(xargs[name])}, ...}}'
+            )
+    if REQUEST_FLAG in xargs and not isinstance(xargs[REQUEST_FLAG], bool):
         return (
-            f"vllm_xargs.{PROMPT_START}",
-            f"{PROMPT_START} is a top-level field of the request body, not a vllm_xargs entry: "
-            f'send {{"{PROMPT_START}": N, ...}}',
+            f"vllm_xargs.{REQUEST_FLAG}",
+            f"vllm_xargs.{REQUEST_FLAG} must be JSON true or false, got {json.dumps(xargs[REQUEST_FLAG])}",
         )
-    for flag in (REQUEST_FLAG, WEIGHTS_FLAG):
-        if flag in xargs and not isinstance(xargs[flag], bool):
-            return f"vllm_xargs.{flag}", f"vllm_xargs.{flag} must be JSON true or false, got {json.dumps(xargs[flag])}"
     if OUTPUT_FLAG in xargs and xargs[OUTPUT_FLAG] not in ("inline", "keys"):
         return (
             f"vllm_xargs.{OUTPUT_FLAG}",
             f'vllm_xargs.{OUTPUT_FLAG} must be "inline" or "keys", got {json.dumps(xargs[OUTPUT_FLAG])}',
         )
     return None
+
+
+def drop_null_fields(body: object) -> bool:
+    """Remove auxout's fields whose value is JSON ``null`` (unset), top-level and in ``vllm_xargs``;
+    True if any was removed."""
+    if not isinstance(body, dict):
+        return False
+    dropped = False
+    for name in (*TOP_LEVEL, *IN_XARGS):
+        if name in body and body[name] is None:
+            del body[name]
+            dropped = True
+    xargs = body.get("vllm_xargs")
+    if isinstance(xargs, dict):
+        for name in (*TOP_LEVEL, *IN_XARGS):
+            if name in xargs and xargs[name] is None:
+                del xargs[name]
+                dropped = True
+    return dropped
 
 
 def error_body(message: str, param: str | None, code: int = 400) -> bytes:
@@ -103,9 +141,16 @@ class RouteFieldsCheck:
             if not message.get("more_body", False):
                 break
         try:
-            problem = body_problem(json.loads(b"".join(chunks)))
+            parsed = json.loads(b"".join(chunks))
         except (ValueError, RecursionError):
-            problem = None  # not JSON: vLLM answers it
+            parsed = None  # not JSON: vLLM answers it
+        if drop_null_fields(parsed):  # (vLLM parses the body without them)
+            data = json.dumps(parsed).encode()
+            messages = [{"type": "http.request", "body": data, "more_body": False}]
+            scope["headers"] = [
+                (k, str(len(data)).encode() if k.lower() == b"content-length" else v) for k, v in scope["headers"]
+            ]
+        problem = body_problem(parsed)
         if problem is not None:
             field, text = problem
             await _respond(send, 400, error_body(text, field))

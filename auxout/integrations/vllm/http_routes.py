@@ -32,13 +32,16 @@ from typing import Any
 
 import numpy as np
 
+from auxout.integrations.vllm.http_checks import FORMAT_FIELD, SESSION_FIELD
 from auxout.integrations.vllm.options import (
     MANIFEST_FIELD,
     OUTPUT_FLAG,
+    REQUEST_FLAG,
     SHARED_STORES,
     WEIGHTS_FLAG,
     WEIGHTS_OUTPUT,
     VllmOptions,
+    normalize_flag,
 )
 from auxout.integrations.vllm.weights_output import structured
 from auxout.profile import has_weights, join_rows, split_rows
@@ -47,8 +50,6 @@ from auxout.wire import DEFAULT_FORMAT, FORMATS, encode
 
 logger = logging.getLogger("auxout.vllm")
 
-FORMAT_FIELD = "routed_experts_format"
-SESSION_FIELD = "routed_experts_session"
 WEIGHTS_FIELD = WEIGHTS_FLAG
 START_FIELD = "routed_experts_start"
 MANIFEST_OUT_FIELD = "routed_experts_manifest"
@@ -180,6 +181,21 @@ class RouteResponder:
         if fields.get("weights"):  # the engine core sends this request's rows with their weights
             params.extra_args[WEIGHTS_FLAG] = True
         return params
+
+    def check_beam_search(self, request: Any) -> None:
+        """Beam search runs as many one-token engine requests whose routes no beam gets: a request
+        that wants routes is refused (400) rather than answered without them."""
+        from vllm.exceptions import VLLMValidationError
+
+        flag = normalize_flag((getattr(request, "vllm_xargs", None) or {}).get(REQUEST_FLAG))
+        if flag is False or (flag is None and not self.options.default_return):
+            return
+        raise VLLMValidationError(
+            "use_beam_search: routes are not returned for beam search (vLLM runs it as many one-token requests). "
+            f'Sample without beam search, or opt out of routes with "vllm_xargs": {{"{REQUEST_FLAG}": false}}',
+            parameter="use_beam_search",
+            value=True,
+        )
 
     # -- engine side --------------------------------------------------------------------------
     async def generate(self, engine: Any, original: Callable[..., AsyncIterator[Any]], prompt: Any,
@@ -348,6 +364,14 @@ def install(options: VllmOptions, *, max_sessions: int = 4096, max_session_token
             return responder.checked_params(self, __orig(self, *args, **kwargs))
 
         cls.to_sampling_params = to_sampling_params  # type: ignore[method-assign]
+        original_beam = cls.to_beam_search_params
+
+        @functools.wraps(original_beam)
+        def to_beam_search_params(self: Any, *args: Any, __orig: Any = original_beam, **kwargs: Any) -> Any:
+            responder.check_beam_search(self)
+            return __orig(self, *args, **kwargs)
+
+        cls.to_beam_search_params = to_beam_search_params  # type: ignore[method-assign]
 
     original_generate = AsyncLLM.generate
 

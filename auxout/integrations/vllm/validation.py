@@ -17,7 +17,8 @@ The same field in the other place is rejected, never silently ignored. vLLM turn
 
 vLLM also skips its vocabulary check on prompt token ids when it runs without a tokenizer
 (``skip_tokenizer_init``), and an id >= the vocabulary size then kills the engine (IndexError in
-the embedding); :func:`check_prompt_token_ids` makes that check against the model's vocabulary.
+the embedding); :func:`check_prompt_token_ids` makes that check against the model's vocabulary,
+with a tokenizer too, before vLLM's own (which names neither the field nor the position).
 """
 
 from __future__ import annotations
@@ -124,6 +125,16 @@ def check_prompt_token_ids(token_ids: Sequence[int] | np.ndarray, vocab_size: in
         )
 
 
+def _num_token_ids(processor: Any) -> int:
+    """How many token ids a prompt may use: the model's vocabulary, or with a tokenizer whichever
+    of the two is larger (vLLM's own bound: a tokenizer may have ids the embedding lacks, e.g.
+    multimodal placeholders, and the other way round)."""
+    vocab = int(processor.model_config.get_vocab_size())
+    tokenizer = processor.tokenizer
+    max_id = getattr(tokenizer, "max_token_id", None) if tokenizer is not None else None
+    return max(vocab, int(max_id) + 1) if isinstance(max_id, int) else vocab
+
+
 def _engine_options(processor: Any) -> VllmOptions | None:
     """The auxout options in the processor's config (cached on it), None if unreadable."""
     if not hasattr(processor, "_auxout_options"):
@@ -164,12 +175,11 @@ def install_request_validation(*, flag_as_int: bool = False) -> None:
         return validate_params(self, params, *args, **kwargs)
 
     def _validate_model_input(self: Any, prompt_input: Any, *args: Any, **kwargs: Any) -> Any:
-        result = validate_model_input(self, prompt_input, *args, **kwargs)
-        if self.tokenizer is None and prompt_input.get("type") != "embeds":
-            ids = prompt_input.get("prompt_token_ids")
-            if ids is not None:
-                check_prompt_token_ids(ids, self.model_config.get_vocab_size())
-        return result
+        # before vLLM's own check, which says neither the field nor the position
+        ids = prompt_input.get("prompt_token_ids") if prompt_input.get("type") != "embeds" else None
+        if ids is not None:
+            check_prompt_token_ids(ids, _num_token_ids(self))
+        return validate_model_input(self, prompt_input, *args, **kwargs)
 
     InputProcessor._validate_params = _validate_params  # type: ignore[method-assign]
     InputProcessor._validate_model_input = _validate_model_input  # type: ignore[method-assign]
