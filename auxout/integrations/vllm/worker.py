@@ -4,11 +4,12 @@ Installed with ``worker_cls``. After the model loads, capture is bound to every 
 router; once the KV cache is sized, the connector and its store are built (default capacity:
 one route object per hash block the KV cache holds). Each step then runs:
 
-``execute_model``: ``begin_step(metadata)`` (also for zero-token steps), the forward, then
-``prepare_output`` with each request's computed-token count before the step, the batch's
-query start offsets and a snapshot of the captured rows.
-``sample_tokens``: sampling, then ``process_output(sampled, rejected)``; the ``StepOutput``
-rides back to the scheduler in ``ModelRunnerOutput.aux_output_connector_output``.
+``execute_model``: the forward (a step without tokens only applies its metadata, ``begin_step``).
+``sample_tokens``: sampling, then ``begin_step(metadata)``, ``prepare_output`` with each
+request's computed-token count before the step, the batch's query start offsets and a snapshot
+of the captured rows, and ``process_output(sampled, rejected)``; the ``StepOutput`` rides back to
+the scheduler in ``ModelRunnerOutput.aux_output_connector_output``. (When ``execute_model``
+returns the final output itself, it does all of that at once.)
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class AuxoutWorkerMixin:
     _auxout_role: RankRole = RankRole(captures=True, owns_routes=True, pp_size=1, last_stage=True)
     _auxout_connector: WorkerConnector | None = None
     _auxout_pending: tuple[PendingStep, list[str], dict[str, int], dict[str, list[int]]] | None = None
+    _auxout_executed: tuple[WorkerConnector, Any, int, list[str], Any] | None = None  # forward done, not prepared yet
     # Async scheduling resolves step outputs on the executor's output thread: connector calls lock.
     _auxout_lock: threading.Lock = threading.Lock()
 
@@ -125,35 +127,54 @@ class AuxoutWorkerMixin:
     def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         conn = self._auxout_connector
         meta = getattr(scheduler_output, "aux_output_connector_metadata", None)
-        if conn is not None:
-            with self._auxout_lock:
+        if conn is not None and (meta is None or scheduler_output.total_num_scheduled_tokens == 0):
+            with self._auxout_lock:  # (no rows this step: only the metadata to apply)
                 conn.begin_step(meta)
+            conn = None
         output = super().execute_model(scheduler_output, *args, **kwargs)  # type: ignore[misc]
-        if conn is None or meta is None or scheduler_output.total_num_scheduled_tokens == 0:
+        if conn is None:
             return output
-        runner = self.model_runner
-        batch = runner.input_batch
+        batch = self.model_runner.input_batch
         n = batch.num_reqs
-        req_ids = batch.req_ids[:n]  # (a new list: vLLM reorders its own in place)
+        step = (conn, meta, n, batch.req_ids[:n], scheduler_output)  # (a new list: vLLM reorders its own in place)
+        if output is not None:  # output already final (no separate sampling call)
+            self._auxout_prepare(step)
+            return self._auxout_finish(output)
+        self._auxout_executed = step
+        return output
+
+    def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().sample_tokens(*args, **kwargs)  # type: ignore[misc]
+        step, self._auxout_executed = self._auxout_executed, None
+        if step is not None:
+            self._auxout_prepare(step)
+        return self._auxout_finish(output)
+
+    def _auxout_prepare(self, step: tuple[WorkerConnector, Any, int, list[str], Any]) -> None:
+        """Apply the step's metadata, snapshot its rows and register it with the connector.
+
+        Runs after sampling when sampling follows the forward: nothing in the forward depends on
+        the connector (capture only holds the routers' ids), and after the sampler, which runs
+        torch and numpy, this code finds them in cache; right after the forward it ran cold
+        (docs/performance.md). The routers' ids tensors and the batch's ``query_start_loc`` and
+        ``num_computed_tokens_cpu`` stay as the forward left them until the next
+        ``execute_model`` (vLLM's sampling and bookkeeping write neither).
+        """
+        conn, meta, n, req_ids, scheduler_output = step
+        runner = self.model_runner
         qsl = runner.query_start_loc.np[: n + 1]  # (prepare_output copies what it keeps)
-        starts = batch.num_computed_tokens_cpu[:n]
+        starts = runner.input_batch.num_computed_tokens_cpu[:n]
         assert self._auxout_capture is not None
         rows = self._auxout_capture.snapshot(int(qsl[-1]))
         spec = scheduler_output.scheduled_spec_decode_tokens  # (scheduled counts matter only with drafts)
         with self._auxout_lock:
+            conn.begin_step(meta)
             pending = conn.prepare_output(req_ids, starts, qsl, rows, final=not spec)
         if pending is not None:
             self._auxout_pending = (
                 (pending, req_ids, dict(scheduler_output.num_scheduled_tokens), dict(spec)) if spec
                 else (pending, req_ids, {}, {})
             )  # fmt: skip
-        if output is not None:  # output already final (no separate sampling call)
-            return self._auxout_finish(output)
-        return output
-
-    def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().sample_tokens(*args, **kwargs)  # type: ignore[misc]
-        return self._auxout_finish(output)
 
     def _auxout_finish(self, output: Any) -> Any:
         step = self._auxout_pending
