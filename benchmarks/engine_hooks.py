@@ -5,7 +5,9 @@
 hooks themselves: it wraps auxout's connector and bridge calls and vLLM's scheduler and worker
 phases with ``time.perf_counter`` and runs the engine in one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
 the ``uni`` executor), so every hook runs where it is timed. Prints microseconds per engine step
-(a run's steps: one prefill, then decode) and the median and worst single call of the hot hooks.
+(a run's steps: one prefill, then decode) and the median and worst single call of the hot hooks,
+then one summary line: auxout's hooks against vLLM's four phases, each as median call × calls per
+step (the steady decode step, without the rare slow calls; the line compares two versions).
 
     python benchmarks/engine_hooks.py              # tiny qwen3_moe, routes on, then a routes-off engine
     python benchmarks/engine_hooks.py --only on
@@ -179,6 +181,26 @@ def run(args: argparse.Namespace, routes: bool) -> None:
             f"  {sum(ts) / steps * 1e6:9.1f} {len(ts) / steps:10.2f} {statistics.median(ts) * 1e6:10.1f}us "
             f"{max(ts) * 1e6:9.0f}us  {label}"
         )
+    if routes:
+        hooks, phases = summary()
+        print(f"auxout's hooks, median call x calls per step: {hooks:.1f} us = {100 * hooks / phases:.2f}% of vLLM's phases ({phases:.0f} us)")
+
+
+_NESTED = ("(total)", "process_output", "_copy_held")  # wrappers, and hooks timed inside another auxout hook
+
+
+def summary() -> tuple[float, float]:
+    """(auxout's hooks, vLLM's four phases) per step, each as median call x calls per step: the
+    steady decode step's cost, without the few slow calls (a block's store write, the prefill)."""
+    steps = len(TIMES["vLLM Scheduler.schedule"])
+
+    def typical(ts: list[float]) -> float:
+        return statistics.median(ts) * len(ts) / steps * 1e6
+
+    hooks = sum(typical(ts) for label, ts in TIMES.items() if label.startswith("auxout") and not any(
+        n in label for n in _NESTED))
+    phases = sum(typical(ts) for label, ts in TIMES.items() if label.startswith("vLLM"))
+    return hooks, phases
 
 
 def _collect(prefix: str, since: float) -> None:
