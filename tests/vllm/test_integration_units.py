@@ -127,18 +127,29 @@ def test_engine_failure_reason_reaches_the_http_client():
     GenerateBaseServing._raise_if_error(None, "length", "cmpl-3")  # not an error: no exception
 
 
-def test_mla_on_cpu_start_up_error_says_vllm_cpu_turned_prefix_caching_off():
+def test_mla_on_cpu_start_up_error_says_why():
+    """Without AMX vLLM-CPU has turned prefix caching off; with it, only bf16 DeepSeek shapes load."""
     from types import SimpleNamespace
 
-    from auxout.integrations.vllm.cpu_worker import AuxoutCPUWorker
+    import torch
 
-    cfg = SimpleNamespace(
-        model_config=SimpleNamespace(use_mla=True, hf_config=SimpleNamespace(model_type="deepseek_v3")),
-        cache_config=SimpleNamespace(enable_prefix_caching=False),
-    )
-    worker = SimpleNamespace(vllm_config=cfg)
+    from auxout.integrations.vllm.cpu_worker import check_cpu_config
+
+    def cfg(use_mla=True, prefix=True, dtype=torch.float32, lora=32, rope=16):
+        hf = SimpleNamespace(model_type="deepseek_v3", kv_lora_rank=lora, qk_rope_head_dim=rope)
+        return SimpleNamespace(
+            model_config=SimpleNamespace(use_mla=use_mla, hf_config=hf, dtype=dtype),
+            cache_config=SimpleNamespace(enable_prefix_caching=prefix),
+        )
+
     with pytest.raises(ValueError, match="vLLM-CPU turns prefix caching .* off for models with multi-head latent"):
-        AuxoutCPUWorker._auxout_build_connector(worker, kv_cache_config=None)  # type: ignore[arg-type]
+        check_cpu_config(cfg(prefix=False))
+    with pytest.raises(ValueError, match=r"has dtype float32 and kv_lora_rank \+ qk_rope_head_dim = 32 \+ 16 = 48"):
+        check_cpu_config(cfg())
+    with pytest.raises(ValueError, match="has dtype bfloat16 and kv_lora_rank"):
+        check_cpu_config(cfg(dtype=torch.bfloat16))
+    check_cpu_config(cfg(dtype=torch.bfloat16, lora=512, rope=64))  # DeepSeek's own shapes: vLLM runs them
+    check_cpu_config(cfg(use_mla=False, prefix=False))  # not MLA: the generic prefix-caching check applies
 
 
 def test_weights_rows_need_the_frontend_split(caplog):

@@ -30,6 +30,38 @@ MLA_ON_CPU = (
     "architecture on GPU, or use one vLLM-CPU runs with prefix caching (qwen3_moe, qwen2_moe, mixtral, "
     "olmoe, gpt_oss)."
 )
+AMX_MLA_SHAPE = (
+    "vLLM-CPU picks its AMX MLA attention backend on this host (the CPU has AMX), and that backend runs "
+    "only bfloat16 models with kv_lora_rank + qk_rope_head_dim = 576 (DeepSeek-V2/V3/R1); this model "
+    "({arch}) has dtype {dtype} and {head} (vLLM would fail loading it). vLLM-CPU's other MLA backend "
+    "turns prefix caching off, which auxout routes need. Serve this model in bfloat16 with DeepSeek's "
+    "shapes, on GPU, or use an architecture vLLM-CPU runs with prefix caching (qwen3_moe, qwen2_moe, "
+    "mixtral, olmoe, gpt_oss)."
+)
+AMX_MLA_HEAD_SIZE = 576  # vllm.v1.attention.backends.mla.amx_mla.AMXMLABackend.get_supported_head_sizes
+
+
+def check_cpu_config(vllm_config: Any) -> None:
+    """Refuse, with the reason, an MLA configuration whose routes vLLM-CPU cannot serve.
+
+    Runs before the model loads. Without an AMX unit vLLM-CPU turns prefix caching off for MLA
+    (the plain "needs prefix caching" check would then point the wrong way); with one it keeps
+    prefix caching and picks its AMX backend, which fails inside a kernel on any model but a
+    bfloat16 DeepSeek-shaped one ("invalid weight input features 16" for the tiny model).
+    """
+    model = vllm_config.model_config
+    if not getattr(model, "use_mla", False):
+        return
+    arch = getattr(model.hf_config, "model_type", "?")
+    if not vllm_config.cache_config.enable_prefix_caching:
+        raise ValueError(MLA_ON_CPU.format(arch=arch))
+    hf = model.hf_config
+    lora, rope = getattr(hf, "kv_lora_rank", None), getattr(hf, "qk_rope_head_dim", None)
+    if lora is None or rope is None or arch == "deepseek_v4":
+        return  # not a DeepSeek-V2/V3 layout: vLLM's own checks apply
+    if model.dtype != torch.bfloat16 or lora + rope != AMX_MLA_HEAD_SIZE:
+        head = f"kv_lora_rank + qk_rope_head_dim = {lora} + {rope} = {lora + rope}"
+        raise ValueError(AMX_MLA_SHAPE.format(arch=arch, dtype=str(model.dtype).removeprefix("torch."), head=head))
 
 
 def _discarded_generators(runner: Any) -> dict[int, torch.Generator]:
@@ -93,6 +125,7 @@ class AuxoutCPUWorker(AuxoutWorkerMixin, CPUWorker):
     """vLLM's CPU worker plus route capture, auxout's worker connector and the seeded-chunk fix."""
 
     def init_device(self) -> None:
+        check_cpu_config(self.vllm_config)  # before the model loads: MLA backends may fail on it first
         super().init_device()
         install_seeded_chunk_fix(self.model_runner)
 
@@ -101,12 +134,6 @@ class AuxoutCPUWorker(AuxoutWorkerMixin, CPUWorker):
         ensure_pp_receive_buffers(self.model_runner)
         return result
 
-    def _auxout_build_connector(self, kv_cache_config: Any) -> None:
-        model = self.vllm_config.model_config
-        if getattr(model, "use_mla", False) and not self.vllm_config.cache_config.enable_prefix_caching:
-            arch = getattr(model.hf_config, "model_type", "?")
-            raise ValueError(MLA_ON_CPU.format(arch=arch))
-        super()._auxout_build_connector(kv_cache_config)
 
 
 def ensure_pp_receive_buffers(runner: Any) -> None:
