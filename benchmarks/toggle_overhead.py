@@ -1,0 +1,179 @@
+"""Routes on vs off inside ONE engine: auxout switched off and on between batches, same processes.
+
+``engine_overhead.py`` compares two engines (two sets of processes), and on a shared 2-core
+machine two processes differ in speed by more than the few percent being measured (its pairs
+moved 0.84-0.99 within an hour). Here one routes-on engine runs every batch; before a batch the
+parent flips one byte in a shared file, and every engine process reads it at the start of each
+step. Off means plain vLLM: the scheduler's ``aux_output_connector`` is None (vLLM then builds no
+metadata and takes no routes), auxout's scheduler and worker overrides call straight through to
+vLLM's, and the routers' capture functions are unset. Requests, prompts and memory are the same
+in both modes; the flag is only flipped while the engine is idle, so no request sees both.
+
+Each cycle runs on, off, off, on (two on/off pairs, the order alternating) and also yields an
+off/off and an on/on pair: their spread is this instrument's own noise, printed beside the
+ratio. What "off" still runs: one extra Python call per overridden hook (the switch) and the
+frontend's per-request option check (per request, not per step).
+
+    python benchmarks/toggle_overhead.py                  # tiny qwen3_moe, mp executor, 12 cycles
+    python benchmarks/toggle_overhead.py --cycles 30 --executor uni
+    python benchmarks/toggle_overhead.py --size realistic --gen 64 --cycles 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+_FLAG_ENV = "AUXOUT_TOGGLE_FLAG"  # the one-byte file: b"1" routes on, b"0" off
+_SITE = """import os, sys
+if os.environ.get({env!r}):
+    sys.path.insert(0, {here!r})
+    import toggle_overhead
+    toggle_overhead.install_switch()
+"""
+
+
+def install_switch() -> None:
+    """Make auxout's vLLM classes follow the flag file (in each engine process, from sitecustomize)."""
+    from auxout.integrations.vllm.scheduler import AuxoutScheduler
+    from auxout.integrations.vllm.worker import AuxoutWorkerMixin
+
+    with open(os.environ[_FLAG_ENV], "r+b") as f:
+        flag = mmap.mmap(f.fileno(), 1)
+
+    def on() -> bool:
+        return flag[0] == ord("1")
+
+    # -- worker: straight to vLLM's worker, and the routers' capture unset, while off ----------
+    mixin = AuxoutWorkerMixin
+    execute, sample = mixin.execute_model, mixin.sample_tokens
+
+    def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        now = on()
+        cap = self._auxout_capture
+        if now != self.__dict__.get("_toggle_on", True) and cap is not None:
+            if now:
+                cap.bind(*self._toggle_bound)
+            else:
+                self._toggle_bound = (cap._routers, cap.columns)
+                cap.unbind()
+        self._toggle_on = now
+        if now:
+            return execute(self, scheduler_output, *args, **kwargs)
+        return super(mixin, self).execute_model(scheduler_output, *args, **kwargs)
+
+    def sample_tokens(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.__dict__.get("_toggle_on", True):
+            return sample(self, *args, **kwargs)
+        return super(mixin, self).sample_tokens(*args, **kwargs)
+
+    mixin.execute_model, mixin.sample_tokens = execute_model, sample_tokens  # type: ignore[method-assign]
+
+    # -- engine core: no aux_output_connector and vLLM's own methods, while off ----------------
+    sched = AuxoutScheduler
+    originals = {
+        name: getattr(sched, name) for name in ("add_request", "update_from_output", "_get_local_prefix_cache_hit")
+    }
+
+    def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+        self.aux_output_connector = self.auxout if on() else None
+        return super(sched, self).schedule(*args, **kwargs)
+
+    def switched(name: str) -> Any:
+        original = originals[name]
+
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if on():
+                return original(self, *args, **kwargs)
+            return getattr(super(sched, self), name)(*args, **kwargs)
+
+        return method
+
+    sched.schedule = schedule  # type: ignore[method-assign]
+    for name in originals:
+        setattr(sched, name, switched(name))
+
+
+def measure(args: argparse.Namespace) -> int:
+    """In the process with the switch installed: the cycles, then the ratios."""
+    from engine_overhead import make_engine, model_path, run_once
+
+    with open(os.environ[_FLAG_ENV], "r+b") as f:
+        flag = mmap.mmap(f.fileno(), 1)
+
+    def batch(routes: bool, rep: int) -> float:
+        flag[0] = ord("1" if routes else "0")
+        return run_once(llm, args, rep)
+
+    llm = make_engine(model_path(args), True, args)
+    batch(True, -1)  # warm-up, both modes
+    batch(False, -2)
+    for routes in (True, False, True):  # the switch works both ways: routes only while on
+        from vllm import SamplingParams
+
+        flag[0] = ord("1" if routes else "0")
+        out = llm.generate([{"prompt_token_ids": [5, 6, 7] * 20}], SamplingParams(max_tokens=4), use_tqdm=False)
+        got = getattr(out[0].outputs[0], "routed_experts", None)
+        if (got is not None) != routes:
+            raise SystemExit(f"the switch failed: routes {'missing' if routes else 'returned'} with routes {routes}")
+    on_off: list[float] = []
+    off_off: list[float] = []
+    on_on: list[float] = []
+    rates: dict[bool, list[float]] = {True: [], False: []}
+    for c in range(args.cycles):
+        a, b, d, e = batch(True, 4 * c), batch(False, 4 * c + 1), batch(False, 4 * c + 2), batch(True, 4 * c + 3)
+        on_off += [a / b, e / d]
+        off_off.append(b / d)
+        on_on.append(a / e)
+        rates[True] += [a, e]
+        rates[False] += [b, d]
+        print(f"cycle {c}: on {a:.0f}, off {b:.0f}, off {d:.0f}, on {e:.0f} tok/s; on/off {a / b:.3f} {e / d:.3f}")
+    flag[0] = ord("1")
+
+    def spread(xs: list[float]) -> str:
+        qs = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
+        return f"median {statistics.median(xs):.3f} [quartiles {qs[0]:.3f}..{qs[2]:.3f}] over {len(xs)}"
+
+    print(f"median throughput on {statistics.median(rates[True]):.0f} tok/s, off {statistics.median(rates[False]):.0f}")
+    print(f"control off/off: {spread(off_off)}; on/on: {spread(on_on)}")
+    target = 0.97 if args.size == "tiny" else 0.99
+    print(f"throughput ratio on/off (one engine, toggled): {spread(on_off)}  (target >= {target})")
+    print(f"  ratio of summed rates: {sum(rates[True]) / sum(rates[False]):.4f}")
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arch", default="qwen3_moe")
+    p.add_argument("--size", default="tiny", help="tiny, or a preset of auxout.models.SIZES (qwen3_moe)")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--prompt", type=int, default=256)
+    p.add_argument("--gen", type=int, default=128)
+    p.add_argument("--cycles", type=int, default=12, help="on, off, off, on: two on/off pairs each")
+    p.add_argument("--executor", choices=("mp", "uni"), default="mp", help="uni: the engine in this process")
+    args = p.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if args.executor == "uni":
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if _FLAG_ENV in os.environ:
+        sys.path.insert(0, HERE)
+        return measure(args)
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:  # (the engine's processes start with it)
+        with open(os.path.join(tmp, "sitecustomize.py"), "w") as f:
+            f.write(_SITE.format(env=_FLAG_ENV, here=HERE))
+        with open(os.path.join(tmp, "flag"), "wb") as f:
+            f.write(b"1")
+        path = os.pathsep.join(x for x in (tmp, os.environ.get("PYTHONPATH")) if x)
+        env = {**os.environ, _FLAG_ENV: os.path.join(tmp, "flag"), "PYTHONPATH": path}
+        return subprocess.run([sys.executable, *sys.argv], env=env).returncode
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
