@@ -225,3 +225,34 @@ def test_every_route_field_has_one_place_over_http():
     assert drop_null_fields(nulls) and nulls == {"prompt": [1], "vllm_xargs": {}}
     assert body_problem(nulls) is None and not drop_null_fields(nulls)
     assert not drop_null_fields({"prompt": [1], "seed": None})  # vLLM's own fields are vLLM's business
+
+
+def test_a_prompt_filling_the_context_is_named_in_every_openai_server():
+    """Every loaded serving module's ``get_max_tokens`` names the prompt when it leaves no room."""
+    import sys
+
+    from vllm.entrypoints.serve.utils import api_utils
+    from vllm.exceptions import VLLMValidationError
+
+    from auxout.integrations.vllm.http_checks import install_context_length_message
+
+    original = api_utils.get_max_tokens
+    install_context_length_message()
+    install_context_length_message()  # idempotent: one wrapper
+    users = [m for n, m in sys.modules.items() if n.startswith("vllm.entrypoints") and hasattr(m, "get_max_tokens")]
+    assert {m.__name__ for m in users} >= {
+        "vllm.entrypoints.openai.completion.serving", "vllm.entrypoints.openai.chat_completion.serving",
+    }  # fmt: skip
+    for module in users:
+        if module is api_utils:
+            continue
+        wrapped = module.get_max_tokens
+        assert wrapped is not original and getattr(wrapped, "_auxout", False), module.__name__
+        with pytest.raises(VLLMValidationError, match="context length is 128 tokens and the prompt has 128") as exc:
+            wrapped(128, None, 128, {})
+        assert exc.value.parameter == "input_tokens" and "at most 127 prompt tokens" in str(exc.value)
+        with pytest.raises(VLLMValidationError, match="prompt has 128"):
+            wrapped(128, 16, 200, {}, truncate_prompt_tokens=-1)  # truncated to the context: still full
+        assert wrapped(128, 0, 10, {}) == 0  # a max_tokens of 0 the client sent: vLLM's own check answers it
+        assert wrapped(128, None, 127, {}) == 1 and wrapped(128, 8, 100, {}) == 8
+        assert wrapped(128, 8, 200, {}, truncate_prompt_tokens=100) == 8

@@ -115,6 +115,25 @@ def test_out_of_vocabulary_token_id_is_a_400(server, oracle, vocab):
     assert_serves(server, oracle, 63)
 
 
+def test_prompt_that_fills_the_context_is_a_400_naming_the_prompt(server, oracle):
+    """vLLM says "max_tokens must be at least 1, got 0" for a prompt of exactly max_model_len tokens."""
+    prompt = random_prompt(np.random.default_rng(64), 1024)  # --max-model-len 1024
+    for extra in ({}, {"max_tokens": 1}):
+        r = server.post("/v1/completions", json={**body(server, prompt), **extra})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "input_tokens" and "got 0" not in err["message"], err
+        assert "context length is 1024 tokens and the prompt has 1024" in err["message"], err
+        assert "at most 1023 prompt tokens" in err["message"], err
+    r = server.post("/v1/completions", json={**body(server, prompt[:1023]), "max_tokens": 0})
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"], r.text  # one the client sent: vLLM's
+    r = server.post("/v1/completions", json=body(server, prompt[:1023]))  # one token of room: it is answered
+    assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 1, r.text
+    rows = oracle.check(prompt[:1023], Completion(r.json()["choices"][0]))  # (rows of all 1,024 - 1 tokens)
+    assert len(rows) == 1023
+    assert_serves(server, oracle, 65)
+
+
 @pytest.mark.parametrize(
     "extra, field",
     [

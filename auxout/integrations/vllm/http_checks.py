@@ -13,7 +13,8 @@ tokenizer it also answers the chat-style APIs with a 400 that says to use ``/v1/
 
 :func:`install_failure_reasons` makes a request that ends with ``finish_reason="error"`` reach
 the client as a 500 whose message is the engine's reason (auxout puts it in ``stop_reason``),
-instead of vLLM's bare "Internal server error".
+instead of vLLM's bare "Internal server error". :func:`install_context_length_message` names
+the prompt when it fills the whole context (vLLM says "max_tokens must be at least 1, got 0").
 """
 
 from __future__ import annotations
@@ -213,6 +214,57 @@ def install_failure_reasons() -> None:
 
     GenerateBaseServing._raise_if_error = _raise_if_error  # type: ignore[method-assign]
     _INSTALLED = True
+
+
+def context_full_message(max_model_len: int, prompt_tokens: int) -> str:
+    """What a client gets for a prompt that leaves no room for an output token."""
+    return (
+        f"This model's maximum context length is {max_model_len} tokens and the prompt has {prompt_tokens}, "
+        f"which leaves no room for even one output token: send at most {max_model_len - 1} prompt tokens, "
+        f"or start the server with a larger --max-model-len."
+    )
+
+
+def install_context_length_message() -> None:
+    """Name the prompt, not ``max_tokens``, when a prompt fills the whole context (idempotent).
+
+    vLLM's length check rejects only prompts *longer* than ``max_model_len``; one of exactly
+    ``max_model_len`` tokens gets ``max_tokens = 0`` from ``get_max_tokens`` and then fails
+    ``SamplingParams``' check with "max_tokens must be at least 1, got 0", a value the client
+    never sent. Each OpenAI serving module imported ``get_max_tokens`` by name, so the wrapper
+    replaces that name in every loaded ``vllm.entrypoints`` module (after importing the chat and
+    completion servers). A ``max_tokens`` of 0 the client did send keeps vLLM's own message.
+    """
+    import importlib
+
+    from vllm.entrypoints.serve.utils import api_utils
+    from vllm.exceptions import VLLMValidationError
+
+    original = api_utils.get_max_tokens
+    if getattr(original, "_auxout", False):
+        return
+
+    def get_max_tokens(
+        max_model_len: int, max_tokens: int | None, input_length: int, default_sampling_params: dict, *args: Any,
+        **kwargs: Any,
+    ) -> int:
+        n = original(max_model_len, max_tokens, input_length, default_sampling_params, *args, **kwargs)
+        asked = max_tokens if max_tokens is not None else default_sampling_params.get("max_tokens")
+        if n < 1 and asked != 0:
+            limit = kwargs.get("truncate_prompt_tokens")
+            length = input_length if limit is None else min(input_length, max_model_len if limit == -1 else limit)
+            if length >= max_model_len:
+                raise VLLMValidationError(
+                    context_full_message(max_model_len, length), parameter="input_tokens", value=length
+                )
+        return n
+
+    get_max_tokens._auxout = True  # type: ignore[attr-defined]
+    for name in ("vllm.entrypoints.openai.completion.serving", "vllm.entrypoints.openai.chat_completion.serving"):
+        importlib.import_module(name)
+    for name, module in list(sys.modules.items()):
+        if name.startswith("vllm.entrypoints") and getattr(module, "get_max_tokens", None) is original:
+            module.get_max_tokens = get_max_tokens  # type: ignore[attr-defined]
 
 
 MIDDLEWARE = f"{__name__}.RouteFieldsCheck"

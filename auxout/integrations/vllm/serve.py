@@ -234,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     from auxout.integrations.vllm import http_routes
-    from auxout.integrations.vllm.http_checks import install_failure_reasons
+    from auxout.integrations.vllm.http_checks import install_context_length_message, install_failure_reasons
     from auxout.integrations.vllm.validation import install_request_validation
 
     cli_env_setup()
@@ -244,6 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     validate_parsed_serve_args(parsed)
     install_request_validation(flag_as_int=True)  # the middleware checked the raw JSON bool
     install_failure_reasons()
+    install_context_length_message()
     http_routes.install(ours.options, max_sessions=ours.auxout_max_sessions, max_session_tokens=ours.auxout_max_session_tokens)
     uvloop.run(run_server(parsed))
     return 0
