@@ -227,6 +227,21 @@ def test_every_route_field_has_one_place_over_http():
     assert not drop_null_fields({"prompt": [1], "seed": None})  # vLLM's own fields are vLLM's business
 
 
+def test_apis_without_routes_name_the_route_field_they_would_ignore():
+    from auxout.integrations.vllm.http_checks import TOP_LEVEL, no_routes_problem
+    from auxout.integrations.vllm.options import OUTPUT_FLAG, REQUEST_FLAG, WEIGHTS_FLAG
+
+    plain = {"input": "hi", "vllm_xargs": {REQUEST_FLAG: False}}  # an opt-out asks for nothing
+    assert no_routes_problem("/v1/responses", plain) is None and no_routes_problem("/v1/responses", [1]) is None
+    assert no_routes_problem("/v1/responses", {"input": "hi", TOP_LEVEL[0]: None}) is None  # null: unset
+    for name in TOP_LEVEL:
+        field, message = no_routes_problem("/v1/messages", {"messages": [], name: 1}) or ("", "")
+        assert field == name and message.startswith(f"/v1/messages returns no routes, so {name}"), message
+    for name, value in ((REQUEST_FLAG, True), (OUTPUT_FLAG, "keys"), (WEIGHTS_FLAG, True)):
+        problem = no_routes_problem("/v1/responses", {"input": "hi", "vllm_xargs": {name: value}})
+        assert problem is not None and problem[0] == f"vllm_xargs.{name}", problem
+
+
 def test_a_prompt_filling_the_context_is_named_in_every_openai_server():
     """Every loaded serving module's ``get_max_tokens`` names the prompt when it leaves no room."""
     import sys

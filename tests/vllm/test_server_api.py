@@ -411,3 +411,51 @@ def test_routing_weights_in_chat_n_and_keys_only(server, oracle):
     ids, weights = fetch(manifest, weights=True)
     check(oracle, prompt + c["token_ids"], ids, 0)
     check_weights(oracle, prompt + c["token_ids"], ids, weights, 0)
+
+
+def test_batch_chat_choices_carry_their_conversations_routes(server, oracle):
+    """``/v1/chat/completions/batch``: vLLM left each choice's ``routed_experts`` null."""
+    convs = [[{"role": "user", "content": "Hello there."}], [{"role": "user", "content": "Count to five, please."}]]
+    path = "/v1/chat/completions/batch"
+    r = server.post(path, json=body(server, messages=convs, max_tokens=5, routed_experts_format="packed", **WEIGHTS))
+    assert r.status_code == 200, r.text
+    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    assert [c["index"] for c in choices] == [0, 1]
+    for conv, c in zip(convs, choices):
+        single = server.post("/v1/chat/completions", json=body(server, messages=conv, max_tokens=5)).json()
+        tokens = single["prompt_token_ids"] + c["token_ids"]  # (the batch reports no prompt ids: the same chat's)
+        assert c["token_ids"] == single["choices"][0]["token_ids"]
+        assert c["routed_experts_format"] == "packed" and c["routed_experts_start"] == 0
+        ids, weights = decode_routes(c), decode_routes(c, "routing_weights")
+        check(oracle, tokens, ids, 0)
+        check_weights(oracle, tokens, ids, weights, 0)
+        np.testing.assert_array_equal(ids, decode_routes(single["choices"][0]))
+    r = server.post(path, json=body(server, messages=convs, max_tokens=2, routed_experts_session="batch"))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "routed_experts_session", r.text
+    assert "this batch has 2" in r.json()["error"]["message"]
+    r = server.post(path, json=body(server, messages=convs, max_tokens=2, routed_experts_prompt_start=True))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "routed_experts_prompt_start", r.text
+    r = server.post(path, json=body(server, messages=convs, max_tokens=2, vllm_xargs={"return_routed_experts": False}))
+    assert r.status_code == 200 and all(c.get("routed_experts") is None for c in r.json()["choices"]), r.text
+
+
+@pytest.mark.parametrize(
+    "path, payload",
+    [
+        ("/v1/responses", {"input": "Hi.", "max_output_tokens": 3}),
+        ("/v1/messages", {"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 3}),
+    ],
+)
+def test_apis_without_routes_refuse_route_fields(server, oracle, path, payload):
+    """The Responses and Anthropic Messages APIs have no place for routes: asking there is a 400, not ignored."""
+    payload = {"model": server.model_path, **payload}
+    for extra, field in (
+        ({"routed_experts_format": "packed"}, "routed_experts_format"),
+        ({"routed_experts_session": "s"}, "routed_experts_session"),
+        ({"vllm_xargs": {"return_routed_experts": True}}, "vllm_xargs.return_routed_experts"),
+    ):
+        r = server.post(path, json={**payload, **extra})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == field and f"{path} returns no routes" in err["message"], err
+    assert server.post(path, json=payload).status_code == 200  # without route fields: served as before

@@ -38,7 +38,9 @@ TOP_LEVEL = (PROMPT_START, FORMAT_FIELD, SESSION_FIELD, WEIGHTS_FLAG)
 """auxout's fields that go at the top of an HTTP request body."""
 IN_XARGS = (REQUEST_FLAG, OUTPUT_FLAG)
 """auxout's fields that go in ``vllm_xargs`` (vLLM's per-request ``extra_args``)."""
-_CHECKED_PATHS = ("/v1/completions", "/v1/chat/completions")
+_CHECKED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/chat/completions/batch")
+_NO_ROUTE_PATHS = ("/v1/responses", "/v1/messages")
+"""Generation APIs whose responses have no place for routes: a route field sent there is a 400."""
 _CHAT_PATHS = (  # the APIs that render messages through the chat template
     "/v1/chat/completions",
     "/v1/chat/completions/batch",
@@ -89,6 +91,26 @@ def body_problem(body: object) -> tuple[str, str] | None:
     return None
 
 
+def no_routes_problem(path: str, body: object) -> tuple[str, str] | None:
+    """``(field, message)`` when a body sent to an API without routes asks for them, else None.
+
+    An opt-out (``"vllm_xargs": {"return_routed_experts": false}``) is not asking."""
+    if not isinstance(body, dict):
+        return None
+    xargs = body.get("vllm_xargs")
+    xargs = xargs if isinstance(xargs, dict) else {}
+    asked = [name for name in TOP_LEVEL if body.get(name) is not None]
+    asked += [f"vllm_xargs.{name}" for name in (OUTPUT_FLAG, WEIGHTS_FLAG) if xargs.get(name) is not None]
+    if xargs.get(REQUEST_FLAG) is True:
+        asked.append(f"vllm_xargs.{REQUEST_FLAG}")
+    if not asked:
+        return None
+    return asked[0], (
+        f"{path} returns no routes, so {asked[0]} would be ignored: ask for routes on /v1/chat/completions "
+        f"(or /v1/completions, /v1/chat/completions/batch), which carry them in each choice"
+    )
+
+
 def drop_null_fields(body: object) -> bool:
     """Remove auxout's fields whose value is JSON ``null`` (unset), top-level and in ``vllm_xargs``;
     True if any was removed."""
@@ -128,7 +150,7 @@ class RouteFieldsCheck:
         if path in _CHAT_PATHS and _skips_tokenizer(scope):  # vLLM answers 500 (AssertionError)
             await _respond(send, 400, error_body(NO_TOKENIZER, "messages"))
             return
-        if path not in _CHECKED_PATHS:
+        if path not in _CHECKED_PATHS and path not in _NO_ROUTE_PATHS:
             await self.app(scope, receive, send)
             return
         chunks: list[bytes] = []
@@ -151,7 +173,7 @@ class RouteFieldsCheck:
             scope["headers"] = [
                 (k, str(len(data)).encode() if k.lower() == b"content-length" else v) for k, v in scope["headers"]
             ]
-        problem = body_problem(parsed)
+        problem = no_routes_problem(path, parsed) if path in _NO_ROUTE_PATHS else body_problem(parsed)
         if problem is not None:
             field, text = problem
             await _respond(send, 400, error_body(text, field))

@@ -3,7 +3,8 @@
 vLLM's server writes ``choices[i].routed_experts`` (an ``.npy`` in base64) on finished
 non-streaming responses only. This module, installed in the API-server process by
 ``auxout serve``, adds what an agent loop needs on ``/v1/completions`` and
-``/v1/chat/completions``:
+``/v1/chat/completions`` (and ``/v1/chat/completions/batch``, whose choices vLLM leaves without
+routes: choice ``i`` gets conversation ``i``'s):
 
 - ``routed_experts_format``: ``"npy"`` | ``"sglang"`` | ``"packed"`` (:mod:`auxout.wire`); every
   choice states ``routed_experts_format``/``_dtype``/``_shape`` (+ ``_bits``) and
@@ -17,9 +18,9 @@ non-streaming responses only. This module, installed in the API-server process b
   ``routing_weights`` next to the ids, float32, same shape, start and format (``routing_weights_*``
   fields), streamed and session-delta'd exactly like them.
 
-The hooks wrap, without copying, five vLLM methods: the two requests' ``to_sampling_params``
-(check the new fields, 400 naming the field), ``AsyncLLM.generate`` (session start, per-step row
-access) and the serving classes' response builders (encode rows into the response).
+The hooks wrap, without copying, vLLM methods: the two requests' ``to_sampling_params`` (check
+the new fields, 400 naming the field), ``AsyncLLM.generate`` (session start, per-step row access)
+and the serving classes' response builders (encode rows into the response).
 """
 
 from __future__ import annotations
@@ -241,7 +242,9 @@ class RouteResponder:
         return fields
 
     def decorate_choices(self, response: Any, request: Any, found: dict[int, tuple[Any, Any]]) -> Any:
-        """Replace vLLM's ``routed_experts`` of each non-streamed choice with the requested encoding."""
+        """Replace vLLM's ``routed_experts`` of each non-streamed choice with the requested encoding.
+
+        ``found``: choice index -> (the engine's ``RequestOutput``, its ``CompletionOutput``)."""
         fmt = _fmt(request)
         for choice in getattr(response, "choices", None) or []:
             hit = found.get(choice.index)
@@ -256,6 +259,20 @@ class RouteResponder:
             for key, value in fields.items():
                 setattr(choice, key, value)
         return response
+
+    def check_batch(self, request: Any) -> None:
+        """A route session follows one conversation: a batch of several cannot share one (400)."""
+        from vllm.exceptions import VLLMValidationError
+
+        session = (getattr(request, "model_extra", None) or {}).get(SESSION_FIELD)
+        n = len(getattr(request, "messages", None) or ())
+        if session is not None and n > 1:
+            raise VLLMValidationError(
+                f"{SESSION_FIELD} follows one conversation, and this batch has {n}: send each conversation "
+                f"with its own session (one request each), or leave {SESSION_FIELD} out",
+                parameter=SESSION_FIELD,
+                value=session,
+            )
 
     async def decorate_stream(self, lines: AsyncIterator[str], trackers: dict[int, ChoiceRows],
                               request: Any) -> AsyncIterator[str]:
@@ -440,5 +457,46 @@ def install(options: VllmOptions, *, max_sessions: int = 4096, max_session_token
         return responder.decorate_stream(lines, trackers, request)
 
     OpenAIServingChat.chat_completion_stream_generator = chat_stream  # type: ignore[method-assign]
+    _install_batch_chat(responder, _experts)
     _INSTALLED = responder
     return responder
+
+
+def _install_batch_chat(responder: RouteResponder, experts: Callable[[Any], None]) -> None:
+    """``/v1/chat/completions/batch``: each conversation's choice gets its routes, as in chat.
+
+    vLLM builds that response itself (choice ``i`` is conversation ``i``; ``n`` must be 1) and
+    leaves ``routed_experts`` null, so without this a batch answered without routes, silently.
+    """
+    try:
+        from vllm.entrypoints.openai.chat_completion.batch_serving import OpenAIServingChatBatch
+    except ImportError:  # a vLLM without the batch endpoint
+        return
+    original_create = OpenAIServingChatBatch.create_batch_chat_completion
+
+    @functools.wraps(original_create)
+    async def create(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        responder.check_batch(request)
+        return await original_create(self, request, *args, **kwargs)
+
+    OpenAIServingChatBatch.create_batch_chat_completion = create  # type: ignore[method-assign]
+    original_full = OpenAIServingChatBatch.chat_completion_full_generator_batch
+
+    @functools.wraps(original_full)
+    async def full(self: Any, request: Any, generators: list[Any], *args: Any, **kwargs: Any) -> Any:
+        experts(self)
+        last: dict[int, Any] = {}
+
+        async def keep_last(i: int, results: AsyncIterator[Any]) -> AsyncIterator[Any]:
+            async for res in results:
+                last[i] = res
+                yield res
+
+        tapped: list[Any] = [keep_last(i, g) for i, g in enumerate(generators)]
+        response = await original_full(self, request, tapped, *args, **kwargs)
+        if hasattr(response, "choices"):
+            found = {i: (res, res.outputs[0]) for i, res in last.items() if res.outputs}
+            responder.decorate_choices(response, request, found)
+        return response
+
+    OpenAIServingChatBatch.chat_completion_full_generator_batch = full  # type: ignore[method-assign]
