@@ -181,9 +181,26 @@ def run(args: argparse.Namespace, routes: bool) -> None:
             f"  {sum(ts) / steps * 1e6:9.1f} {len(ts) / steps:10.2f} {statistics.median(ts) * 1e6:10.1f}us "
             f"{max(ts) * 1e6:9.0f}us  {label}"
         )
+    if args.worst and STARTS:
+        worst(args.worst, steps // args.runs)
     if routes:
         hooks, phases = summary()
         print(f"auxout's hooks, median call x calls per step: {hooks:.1f} us = {100 * hooks / phases:.2f}% of vLLM's phases ({phases:.0f} us)")
+
+
+def worst(n: int, steps_per_run: int) -> None:
+    """The ``n`` slowest calls of each auxout hook, with the step of its run they fell in (0: the
+    prefill), found by their start against the scheduler's (one clock for every process on Linux)."""
+    import bisect
+
+    sched = sorted(STARTS["vLLM Scheduler.schedule"])
+    print(f"  slowest calls (step of the run: 0 is the prefill, {steps_per_run - 1} the last)")
+    for label, ts in sorted(TIMES.items(), key=lambda kv: -sum(kv[1])):
+        if not label.startswith("auxout") or "(total)" in label:
+            continue
+        calls = sorted(zip(ts, STARTS[label]), reverse=True)[:n]
+        where = [(t, (bisect.bisect_right(sched, t0) - 1) % steps_per_run) for t, t0 in calls]
+        print(f"    {label}: " + ", ".join(f"{t * 1e6:.0f}us@{step}" for t, step in where))
 
 
 _NESTED = ("(total)", "process_output", "_copy_held")  # wrappers, and hooks timed inside another auxout hook
@@ -209,13 +226,15 @@ def _collect(prefix: str, since: float) -> None:
     import json
 
     TIMES.clear()
+    STARTS.clear()
     for path in glob.glob(prefix + ".*.json"):
         with open(path) as f:
             for line in f:
                 for label, (times, starts) in json.loads(line).items():
-                    kept = [t for t, t0 in zip(times, starts) if t0 >= since]
+                    kept = [(t, t0) for t, t0 in zip(times, starts) if t0 >= since]
                     if kept:
-                        TIMES.setdefault(label, []).extend(kept)
+                        TIMES.setdefault(label, []).extend(t for t, _ in kept)
+                        STARTS.setdefault(label, []).extend(t0 for _, t0 in kept)
 
 
 def main() -> int:
@@ -228,6 +247,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--only", choices=("on", "off"))
     ap.add_argument("--executor", choices=("uni", "mp"), default="uni", help="uni: one process; mp: vLLM-CPU's default")
+    ap.add_argument("--worst", type=int, default=0, help="also print each hook's N slowest calls and their steps")
     args = ap.parse_args()
     if args.only:
         run(args, args.only == "on")

@@ -14,9 +14,16 @@ off/off and an on/on pair: their spread is this instrument's own noise, printed 
 ratio. What "off" still runs: one extra Python call per overridden hook (the switch) and the
 frontend's per-request option check (per request, not per step).
 
+``--phases`` also times vLLM's four phases (and auxout's overrides around them) in the engine
+processes, per mode: the same phase of the same engine with routes on and off, which shows
+where the throughput goes, including what auxout's work does to vLLM's own code (the forward
+runs slower with routes on although nothing in it changed). ``--off-mode capture`` keeps the
+routers' capture bound while off, so on/off is the connectors' cost alone.
+
     python benchmarks/toggle_overhead.py                  # tiny qwen3_moe, mp executor, 12 cycles
     python benchmarks/toggle_overhead.py --cycles 30 --executor uni
     python benchmarks/toggle_overhead.py --size realistic --gen 64 --cycles 4
+    python benchmarks/toggle_overhead.py --cycles 10 --phases [--off-mode capture]
 """
 
 from __future__ import annotations
@@ -51,19 +58,23 @@ def install_switch() -> None:
     def on() -> bool:
         return flag[0] == ord("1")
 
+    def bound() -> bool:  # the routers' capture: on, or off with --off-mode capture (b"2")
+        return flag[0] != ord("0")
+
     # -- worker: straight to vLLM's worker, and the routers' capture unset, while off ----------
     mixin = AuxoutWorkerMixin
     execute, sample = mixin.execute_model, mixin.sample_tokens
 
     def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        now = on()
+        now, capture = on(), bound()
         cap = self._auxout_capture
-        if now != self.__dict__.get("_toggle_on", True) and cap is not None:
-            if now:
+        if capture != self.__dict__.get("_toggle_bound_now", True) and cap is not None:
+            if capture:
                 cap.bind(*self._toggle_bound)
             else:
                 self._toggle_bound = (cap._routers, cap.columns)
                 cap.unbind()
+        self._toggle_bound_now = capture
         self._toggle_on = now
         if now:
             return execute(self, scheduler_output, *args, **kwargs)
@@ -99,6 +110,103 @@ def install_switch() -> None:
     sched.schedule = schedule  # type: ignore[method-assign]
     for name in originals:
         setattr(sched, name, switched(name))
+    if os.environ.get(_PHASES_ENV):
+        time_phases(on)
+
+
+_PHASES_ENV = "AUXOUT_TOGGLE_PHASES"  # --phases: where each engine process writes its phase timings
+_PHASES = (  # (class path, method, label): vLLM's own phases, and auxout's overrides around them
+    ("vllm.v1.core.sched.scheduler:Scheduler", "schedule", "vLLM Scheduler.schedule"),
+    ("vllm.v1.core.sched.scheduler:Scheduler", "update_from_output", "vLLM Scheduler.update_from_output"),
+    ("vllm.v1.worker.cpu_worker:CPUWorker", "execute_model", "vLLM CPUWorker.execute_model (forward)"),
+    ("vllm.v1.worker.cpu_worker:CPUWorker", "sample_tokens", "vLLM CPUWorker.sample_tokens"),
+    ("auxout.integrations.vllm.scheduler:AuxoutScheduler", "update_from_output", "auxout+vLLM update_from_output"),
+    ("auxout.integrations.vllm.worker:AuxoutWorkerMixin", "execute_model", "auxout+vLLM execute_model"),
+    ("auxout.integrations.vllm.worker:AuxoutWorkerMixin", "sample_tokens", "auxout+vLLM sample_tokens"),
+)
+
+
+def time_phases(on: Any) -> None:
+    """--phases: time vLLM's phases (and the overrides around them) per mode, in this process.
+
+    Shows whether auxout's cost is all in its own code or also makes vLLM's code slower (caches,
+    allocator): the same phase, same engine, on against off."""
+    import atexit
+    import importlib
+    import json
+    import time
+
+    times: dict[str, list[float]] = {}
+    last = [""]
+
+    written: dict[str, int] = {}
+
+    def dump() -> None:  # (appends only what came since the last dump: a line of JSON each)
+        new = {k: v[written.get(k, 0) :] for k, v in times.items() if len(v) > written.get(k, 0)}
+        if new:
+            written.update((k, len(v)) for k, v in times.items())
+            with open(f"{os.environ[_PHASES_ENV]}.{os.getpid()}.json", "a") as f:
+                f.write(json.dumps(new) + "\n")
+
+    def wrap(cls: Any, name: str, label: str) -> None:
+        func = getattr(cls, name)
+
+        split = "(forward)" in label  # (a step with a prefill chunk vs a decode-only step)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            mode = "on" if on() else "off"
+            if mode != last[0]:  # (the flag flips only between batches: write what came so far, untimed)
+                last[0] = mode
+                dump()
+            key = f"{mode}|{label}"
+            if split:
+                counts = getattr(args[1], "num_scheduled_tokens", None) or {}
+                key += ", prefill steps" if max(counts.values(), default=0) > 1 else ", decode steps"
+            t0 = time.perf_counter()
+            try:
+                return func(*args, **kwargs)
+            finally:
+                times.setdefault(key, []).append(time.perf_counter() - t0)
+
+        setattr(cls, name, timed)
+
+    for where, name, label in _PHASES:
+        module, cls = where.split(":")
+        wrap(getattr(importlib.import_module(module), cls), name, label)
+
+    atexit.register(dump)
+
+
+def print_phases(prefix: str) -> None:
+    """Per phase: the median call with routes on and off, and on - off in us per step."""
+    import glob
+    import json
+
+    times: dict[str, list[float]] = {}
+    for path in glob.glob(prefix + ".*.json"):
+        with open(path) as f:
+            for line in f:
+                for key, ts in json.loads(line).items():
+                    times.setdefault(key, []).extend(ts)
+    if not times:
+        print("no phase timings came back (did the engine processes exit?)")
+        return
+    print(
+        f"  {'phase':<56} {'median on':>10} {'median off':>10} {'on-off':>8} {'mean on-off':>12} "
+        f"{'p90 on-off':>11} {'p99 on-off':>11} {'calls on/off':>13}"
+    )
+    labels = sorted({key.split("|", 1)[1] for key in times}, key=lambda k: [p[2] for p in _PHASES].index(k.split(",")[0]))
+    for label in labels:
+        on, off = times.get(f"on|{label}", []), times.get(f"off|{label}", [])
+        if len(on) < 2 or len(off) < 2:
+            continue
+        m_on, m_off = statistics.median(on) * 1e6, statistics.median(off) * 1e6
+        mean_diff = (statistics.fmean(on) - statistics.fmean(off)) * 1e6
+        q_on, q_off = statistics.quantiles(on, n=100), statistics.quantiles(off, n=100)
+        print(
+            f"  {label:<56} {m_on:9.1f}us {m_off:9.1f}us {m_on - m_off:7.1f}us {mean_diff:11.1f}us "
+            f"{(q_on[89] - q_off[89]) * 1e6:10.1f}us {(q_on[98] - q_off[98]) * 1e6:10.1f}us {len(on):6d}/{len(off)}"
+        )
 
 
 def measure(args: argparse.Namespace) -> int:
@@ -108,8 +216,10 @@ def measure(args: argparse.Namespace) -> int:
     with open(os.environ[_FLAG_ENV], "r+b") as f:
         flag = mmap.mmap(f.fileno(), 1)
 
+    off = ord("2" if args.off_mode == "capture" else "0")
+
     def batch(routes: bool, rep: int) -> float:
-        flag[0] = ord("1" if routes else "0")
+        flag[0] = ord("1") if routes else off
         return run_once(llm, args, rep)
 
     llm = make_engine(model_path(args), True, args)
@@ -146,6 +256,9 @@ def measure(args: argparse.Namespace) -> int:
     target = 0.97 if args.size == "tiny" else 0.99
     print(f"throughput ratio on/off (one engine, toggled): {spread(on_off)}  (target >= {target})")
     print(f"  ratio of summed rates: {sum(rates[True]) / sum(rates[False]):.4f}")
+    if os.environ.get(_PHASES_ENV):
+        llm.llm_engine.engine_core.shutdown()  # (the engine's processes write their timings at exit)
+        print_phases(os.environ[_PHASES_ENV])
     return 0
 
 
@@ -158,6 +271,11 @@ def main() -> int:
     p.add_argument("--gen", type=int, default=128)
     p.add_argument("--cycles", type=int, default=12, help="on, off, off, on: two on/off pairs each")
     p.add_argument("--executor", choices=("mp", "uni"), default="mp", help="uni: the engine in this process")
+    p.add_argument(
+        "--off-mode", choices=("plain", "capture"), default="plain",
+        help="capture: 'off' keeps the routers' capture bound (then on/off is the connectors' cost alone)",
+    )  # fmt: skip
+    p.add_argument("--phases", action="store_true", help="also time vLLM's phases per mode (timers add their own cost)")
     args = p.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if args.executor == "uni":
@@ -172,6 +290,8 @@ def main() -> int:
             f.write(b"1")
         path = os.pathsep.join(x for x in (tmp, os.environ.get("PYTHONPATH")) if x)
         env = {**os.environ, _FLAG_ENV: os.path.join(tmp, "flag"), "PYTHONPATH": path}
+        if args.phases:
+            env[_PHASES_ENV] = os.path.join(tmp, "phases")
         return subprocess.run([sys.executable, *sys.argv], env=env).returncode
 
 
