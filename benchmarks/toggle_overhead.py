@@ -263,12 +263,10 @@ def measure(args: argparse.Namespace) -> int:
 
 
 def main() -> int:
+    from engine_overhead import add_workload_args
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--arch", default="qwen3_moe")
-    p.add_argument("--size", default="tiny", help="tiny, or a preset of auxout.models.SIZES (qwen3_moe)")
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--prompt", type=int, default=256)
-    p.add_argument("--gen", type=int, default=128)
+    add_workload_args(p)
     p.add_argument("--cycles", type=int, default=12, help="on, off, off, on: two on/off pairs each")
     p.add_argument("--executor", choices=("mp", "uni"), default="mp", help="uni: the engine in this process")
     p.add_argument(
