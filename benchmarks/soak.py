@@ -110,25 +110,73 @@ class RouteChecker:
         differs = ~(np.sort(got, -1) == np.sort(want, -1)).all(-1)  # [rows, layers]
         wrong = ties = 0
         details: list[str] = []
-        k = want.shape[-1]
+        replayed: np.ndarray | None = None
         for r in np.flatnonzero(differs.any(-1)).tolist():
-            gaps = []
-            for layer in np.flatnonzero(differs[r]).tolist():
-                lg = logits[layer][start + r] if layer < len(logits) else None
-                if lg is None:
-                    gaps.append(float("inf"))
-                    continue
-                kth = torch.topk(lg, k).values[-1]
-                swapped = sorted(set(got[r, layer].tolist()) ^ set(want[r, layer].tolist()))
-                gaps.append(float((lg[swapped] - kth).abs().max()))
+            layers = np.flatnonzero(differs[r]).tolist()
+            gaps = [_swap_gap(logits[layer][start + r] if layer < len(logits) else None, got[r, layer], want[r, layer])
+                    for layer in layers]  # fmt: skip
             tie = max(gaps) < TIE_GAP
+            note = ""
+            if not tie:  # a near-tie in one layer changes every later layer's input: judge on the engine's path
+                if replayed is None:
+                    replayed = self.replayed_gaps(tokens, got, start)
+                tie = float(replayed[r].max()) < TIE_GAP
+                note = f"; replaying the engine's routes, gaps {[f'{g:.1e}' for g in replayed[r, layers]]}"
             ties += tie
             wrong += not tie
             details.append(
-                f"position {start + r}: layers {np.flatnonzero(differs[r]).tolist()} differ, logit gaps "
-                f"{[f'{g:.1e}' for g in gaps]} -> {'near-tie' if tie else 'WRONG'}"
+                f"position {start + r}: layers {layers} differ, logit gaps "
+                f"{[f'{g:.1e}' for g in gaps]}{note} -> {'near-tie' if tie else 'WRONG'}"
             )
         return wrong, ties, details
+
+    def replayed_gaps(self, tokens: list[int], got: np.ndarray, start: int) -> np.ndarray:
+        """``[rows, layers]``: for each of the engine's rows, how far its experts are from the top-k
+        of the router logits when the forward replays the engine's own routes (Rollout Routing
+        Replay: every layer gets the experts the engine used). 0 where they are the top-k.
+
+        A near-tie at one layer sends the engine and the plain full forward down different paths,
+        so the plain forward cannot judge later layers of that token (or later tokens). Under
+        replay each router sees the engine's path, so a right row is the top-k up to fp32
+        rounding, and a misaligned or stale row still lands far from it.
+        """
+        import torch
+
+        from auxout.hf import moe_layers, replay
+
+        n = len(tokens) - 1
+        routes = np.full((n, *got.shape[1:]), -1, dtype=np.int64)  # (rows before start: the router decides)
+        routes[start:] = got
+        logits: list[torch.Tensor] = []
+        with self.lock:
+            handles = [
+                layer.router.register_forward_hook(lambda _m, _a, out: logits.append(_first_2d(out)))
+                for layer in moe_layers(self.model)
+            ]  # (before replay's own hooks: these see the router's logits, which replay leaves as they are)
+            try:
+                with replay(self.model, routes), torch.no_grad():
+                    self.model(torch.tensor([tokens[:-1]]))
+            finally:
+                for h in handles:
+                    h.remove()
+        k = got.shape[-1]
+        gaps = np.zeros(got.shape[:2])
+        for layer, lg in enumerate(logits[: got.shape[1]]):
+            top = torch.topk(lg[start:n], k).indices.numpy()
+            for r in np.flatnonzero(~(np.sort(top, -1) == np.sort(got[:, layer], -1)).all(-1)).tolist():
+                gaps[r, layer] = _swap_gap(lg[start + r], got[r, layer], top[r])
+        return gaps
+
+
+def _swap_gap(logits: Any, got: np.ndarray, want: np.ndarray) -> float:
+    """How far the experts in one set but not the other lie from the k-th largest router logit."""
+    import torch
+
+    if logits is None:
+        return float("inf")
+    kth = torch.topk(logits, len(want)).values[-1]
+    swapped = sorted(set(got.tolist()) ^ set(want.tolist()))
+    return float((logits[swapped] - kth).abs().max())
 
 
 def free_port() -> int:
