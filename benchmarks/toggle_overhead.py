@@ -138,6 +138,7 @@ def time_phases(on: Any) -> None:
 
     times: dict[str, list[float]] = {}
     last = [""]
+    inside = [0]  # timed phases running (a collection counts only inside one: start-up and exit are not steps)
 
     written: dict[str, int] = {}
 
@@ -163,9 +164,11 @@ def time_phases(on: Any) -> None:
                 counts = getattr(args[1], "num_scheduled_tokens", None) or {}
                 key += ", prefill steps" if max(counts.values(), default=0) > 1 else ", decode steps"
             t0 = time.perf_counter()
+            inside[0] += 1
             try:
                 return func(*args, **kwargs)
             finally:
+                inside[0] -= 1
                 times.setdefault(key, []).append(time.perf_counter() - t0)
 
         setattr(cls, name, timed)
@@ -174,6 +177,25 @@ def time_phases(on: Any) -> None:
         module, cls = where.split(":")
         wrap(getattr(importlib.import_module(module), cls), name, label)
 
+    import gc
+
+    import setproctitle  # (vLLM names its engine processes with it, once they start)
+
+    started = [0.0]
+
+    def collection(phase: str, info: dict[str, int]) -> None:  # every garbage collection in a step, per mode
+        if not inside[0]:
+            return
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            title = setproctitle.getproctitle()
+            proc = title.split("::", 1)[1] if "::" in title else "front-end (LLM)"
+            key = f"{'on' if on() else 'off'}|gc gen{info['generation']} {proc}"
+            times.setdefault(key, []).append(time.perf_counter() - started[0])
+            times.setdefault(f"{key} collected", []).append(info["collected"])
+
+    gc.callbacks.append(collection)
     atexit.register(dump)
 
 
@@ -195,7 +217,9 @@ def print_phases(prefix: str) -> None:
         f"  {'phase':<56} {'median on':>10} {'median off':>10} {'on-off':>8} {'mean on-off':>12} "
         f"{'p90 on-off':>11} {'p99 on-off':>11} {'calls on/off':>13}"
     )
-    labels = sorted({key.split("|", 1)[1] for key in times}, key=lambda k: [p[2] for p in _PHASES].index(k.split(",")[0]))
+    order = [p[2] for p in _PHASES]
+    phases = {key.split("|", 1)[1] for key in times if "|gc " not in key}
+    labels = sorted(phases, key=lambda k: order.index(k.split(",")[0]))
     for label in labels:
         on, off = times.get(f"on|{label}", []), times.get(f"off|{label}", [])
         if len(on) < 2 or len(off) < 2:
@@ -206,6 +230,17 @@ def print_phases(prefix: str) -> None:
         print(
             f"  {label:<56} {m_on:9.1f}us {m_off:9.1f}us {m_on - m_off:7.1f}us {mean_diff:11.1f}us "
             f"{(q_on[89] - q_off[89]) * 1e6:10.1f}us {(q_on[98] - q_off[98]) * 1e6:10.1f}us {len(on):6d}/{len(off)}"
+        )
+    steps = {m: len(times.get(f"{m}|{_PHASES[0][2]}", [])) or 1 for m in ("on", "off")}  # schedule calls
+    collections = {key.split("|", 1)[1] for key in times if "|gc " in key and not key.endswith("collected")}
+    for label in sorted(collections):
+        on, off = times.get(f"on|{label}", []), times.get(f"off|{label}", [])
+        got = [sum(times.get(f"{m}|{label} collected", [])) for m in ("on", "off")]
+        print(  # garbage collections per process, per scheduled step of each mode
+            f"  {label}: {len(on)} / {len(off)} collections on/off ({len(on) / steps['on']:.3f} / "
+            f"{len(off) / steps['off']:.3f} per step), {sum(on) * 1e6 / steps['on']:.1f} / "
+            f"{sum(off) * 1e6 / steps['off']:.1f} us per step, longest {max(on, default=0) * 1e3:.1f} / "
+            f"{max(off, default=0) * 1e3:.1f} ms, {got[0]:.0f} / {got[1]:.0f} objects freed"
         )
 
 
