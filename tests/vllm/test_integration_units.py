@@ -225,6 +225,12 @@ def test_every_route_field_has_one_place_over_http():
     assert drop_null_fields(nulls) and nulls == {"prompt": [1], "vllm_xargs": {}}
     assert body_problem(nulls) is None and not drop_null_fields(nulls)
     assert not drop_null_fields({"prompt": [1], "seed": None})  # vLLM's own fields are vLLM's business
+    for name in (*TOP_LEVEL, *IN_XARGS):  # a near miss of any field, in either place, names the field
+        typo = name[:-1] if name.endswith("s") else name + "s"
+        for where, bad in (("", {typo: 1}), ("vllm_xargs.", {"vllm_xargs": {typo: 1}})):
+            field, message = body_problem({"prompt": [1], **bad}) or ("", "")
+            assert field == where + typo and f"did you mean {name}?" in message, (field, message)
+    assert body_problem({"prompt": [1], "logprobs": 1, "vllm_xargs": {"my_flag": 1}}) is None  # not ours
 
 
 def test_apis_without_routes_name_the_route_field_they_would_ignore():

@@ -277,6 +277,10 @@ def test_keys_only_over_http_returns_a_manifest(server, oracle):
         ({"vllm_xargs": {"routed_experts_session": "s"}}, "vllm_xargs.routed_experts_session"),
         ({"vllm_xargs": {"return_routing_weights": True}}, "vllm_xargs.return_routing_weights"),
         ({"vllm_xargs": {"routed_experts_prompt_start": 3}}, "vllm_xargs.routed_experts_prompt_start"),
+        # a misspelt field would be ignored by vLLM: refused, naming the one meant
+        ({"routed_experts_sesion": "s"}, "did you mean routed_experts_session"),
+        ({"vllm_xargs": {"return_routed_expert": False}}, "did you mean return_routed_experts"),
+        ({"routed_experts": True}, "routed_experts is the response field"),
     ],
 )
 def test_bad_new_fields_get_400_naming_the_field(server, oracle, extra, field):

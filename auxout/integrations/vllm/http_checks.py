@@ -19,6 +19,7 @@ the prompt when it fills the whole context (vLLM says "max_tokens must be at lea
 
 from __future__ import annotations
 
+import difflib
 import json
 import sys
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -70,6 +71,10 @@ def body_problem(body: object) -> tuple[str, str] | None:
                 f'send {{"vllm_xargs": {{"{name}": {json.dumps(body[name])}}}, ...}}'
             )
     xargs = body.get("vllm_xargs")
+    for where, fields in (("", body), ("vllm_xargs.", xargs if isinstance(xargs, dict) else {})):
+        unknown = next((k for k in fields if isinstance(k, str) and _looks_like_ours(k)), None)
+        if unknown is not None:
+            return where + unknown, _unknown_field_message(where + unknown)
     if not isinstance(xargs, dict):
         return None
     for name in TOP_LEVEL:
@@ -89,6 +94,31 @@ def body_problem(body: object) -> tuple[str, str] | None:
             f'vllm_xargs.{OUTPUT_FLAG} must be "inline" or "keys", got {json.dumps(xargs[OUTPUT_FLAG])}',
         )
     return None
+
+
+_KNOWN = (*TOP_LEVEL, *IN_XARGS)
+
+
+def _looks_like_ours(name: str) -> bool:
+    """A field named like auxout's that is none of them (a typo vLLM would silently ignore)."""
+    low = name.lower()
+    return name not in _KNOWN and ("routed_expert" in low or "routing_weight" in low)
+
+
+def _unknown_field_message(path: str) -> str:
+    name = path.removeprefix("vllm_xargs.")
+    if name == "routed_experts":
+        hint = (
+            "routed_experts is the response field: routes come back by default; "
+            f'opt a request out with "vllm_xargs": {{"{REQUEST_FLAG}": false}}'
+        )
+    else:
+        close = difflib.get_close_matches(name, _KNOWN, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}?" if close else "auxout's fields are " + ", ".join(_KNOWN)
+    return (
+        f"unknown routes field {path}: {hint} (top-level: {', '.join(TOP_LEVEL)}; "
+        f"in vllm_xargs: {', '.join(IN_XARGS)})"
+    )
 
 
 def no_routes_problem(path: str, body: object) -> tuple[str, str] | None:
