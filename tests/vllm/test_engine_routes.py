@@ -123,6 +123,8 @@ def test_bad_opt_out_value_is_rejected_before_the_engine(llm, oracle):
     for bad in ("no", 0):  # offline the flag is a real bool
         with pytest.raises(VLLMValidationError, match="return_routed_experts"):
             run(llm, [prompt], greedy(4, extra_args={"return_routed_experts": bad}))
+    with pytest.raises(VLLMValidationError, match="did you mean return_routed_experts"):  # not silently ignored
+        run(llm, [prompt], greedy(4, extra_args={"return_routed_expert": False}))
     (c,), _ = run(llm, [prompt], greedy(4))
     oracle.check(prompt, c)
 

@@ -85,6 +85,12 @@ def test_request_flag_normalization_and_check():
     for bad in ("yes", 1, None):
         with pytest.raises(VLLMValidationError, match="return_routing_weights must be true or false"):
             check_request_flag(SamplingParams(extra_args={"return_routing_weights": bad}), weights=True)
+    # a misspelt key would be ignored (the request would silently keep its routes): named instead
+    for typo, meant in (("return_routed_expert", "did you mean return_routed_experts"),
+                        ("routed_experts", "output field"), ("routed_experts_format", "HTTP API")):
+        with pytest.raises(VLLMValidationError, match=f"unknown routes field {typo} .*{meant}"):
+            check_request_flag(SamplingParams(extra_args={typo: False}))
+    check_request_flag(SamplingParams(extra_args={"my_own_flag": 1}))  # others' keys are theirs
 
 
 def test_rejected_rows_count_only_drafted_requests():

@@ -19,13 +19,12 @@ the prompt when it fills the whole context (vLLM says "max_tokens must be at lea
 
 from __future__ import annotations
 
-import difflib
 import json
 import sys
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from auxout.integrations.vllm.options import OUTPUT_FLAG, REQUEST_FLAG, WEIGHTS_FLAG
+from auxout.integrations.vllm.options import OUTPUT_FLAG, REQUEST_FLAG, WEIGHTS_FLAG, misspelt_route_field
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -71,10 +70,9 @@ def body_problem(body: object) -> tuple[str, str] | None:
                 f'send {{"vllm_xargs": {{"{name}": {json.dumps(body[name])}}}, ...}}'
             )
     xargs = body.get("vllm_xargs")
-    for where, fields in (("", body), ("vllm_xargs.", xargs if isinstance(xargs, dict) else {})):
-        unknown = next((k for k in fields if isinstance(k, str) and _looks_like_ours(k)), None)
-        if unknown is not None:
-            return where + unknown, _unknown_field_message(where + unknown)
+    misspelt = _misspelt(body, "") or _misspelt(xargs if isinstance(xargs, dict) else {}, "vllm_xargs.")
+    if misspelt is not None:
+        return misspelt
     if not isinstance(xargs, dict):
         return None
     for name in TOP_LEVEL:
@@ -99,26 +97,15 @@ def body_problem(body: object) -> tuple[str, str] | None:
 _KNOWN = (*TOP_LEVEL, *IN_XARGS)
 
 
-def _looks_like_ours(name: str) -> bool:
-    """A field named like auxout's that is none of them (a typo vLLM would silently ignore)."""
-    low = name.lower()
-    return name not in _KNOWN and ("routed_expert" in low or "routing_weight" in low)
-
-
-def _unknown_field_message(path: str) -> str:
-    name = path.removeprefix("vllm_xargs.")
-    if name == "routed_experts":
-        hint = (
-            "routed_experts is the response field: routes come back by default; "
-            f'opt a request out with "vllm_xargs": {{"{REQUEST_FLAG}": false}}'
-        )
-    else:
-        close = difflib.get_close_matches(name, _KNOWN, n=1, cutoff=0.6)
-        hint = f"did you mean {close[0]}?" if close else "auxout's fields are " + ", ".join(_KNOWN)
-    return (
-        f"unknown routes field {path}: {hint} (top-level: {', '.join(TOP_LEVEL)}; "
-        f"in vllm_xargs: {', '.join(IN_XARGS)})"
-    )
+def _misspelt(fields: dict[Any, Any], where: str) -> tuple[str, str] | None:
+    for name in fields:
+        hint = misspelt_route_field(name, _KNOWN) if isinstance(name, str) else None
+        if hint is not None:
+            return where + name, (
+                f"unknown routes field {where}{name}: {hint} (top-level: {', '.join(TOP_LEVEL)}; "
+                f"in vllm_xargs: {', '.join(IN_XARGS)})"
+            )
+    return None
 
 
 def no_routes_problem(path: str, body: object) -> tuple[str, str] | None:

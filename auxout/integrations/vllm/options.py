@@ -8,8 +8,10 @@ other tools.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -35,6 +37,21 @@ WEIGHTS_OUTPUT = "routing_weights"
 """``CompletionOutput`` attribute (HTTP: ``choices[i]`` field) holding them: float32, shaped like the ids."""
 SHARED_STORES = ("redis", "mooncake")
 """Stores the scheduler process can reach too: keys-only output needs one."""
+
+
+def misspelt_route_field(name: str, known: Sequence[str]) -> str | None:
+    """What to say about ``name``, a field named like auxout's that is none of ``known`` (a typo
+    vLLM would silently ignore); None when it is known or not named like a route field."""
+    low = name.lower()
+    if name in known or ("routed_expert" not in low and "routing_weight" not in low):
+        return None
+    if name == "routed_experts":
+        return (
+            "routed_experts is the output field: routes come back by default; opt a request out with "
+            f"{REQUEST_FLAG}=false (extra_args offline, vllm_xargs over HTTP)"
+        )
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    return f"did you mean {close[0]}?" if close else "auxout's fields are " + ", ".join(known)
 
 
 def normalize_flag(value: object) -> object:

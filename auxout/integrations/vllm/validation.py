@@ -10,7 +10,8 @@ Each of auxout's per-request fields has one place:
 - ``return_routing_weights``: ``SamplingParams.extra_args`` offline, a top-level body field over
   HTTP. A bool; true needs an engine started with ``routing_weights=True``.
 
-The same field in the other place is rejected, never silently ignored. vLLM turns a JSON
+The same field in the other place is rejected, never silently ignored; so is a key named like
+one of them that is none (``return_routed_expert``), naming the field meant. vLLM turns a JSON
 ``false`` in ``vllm_xargs`` into ``0``, so behind the HTTP server (where
 :mod:`auxout.integrations.vllm.http_checks` has already checked the raw JSON) the flag may be
 0/1; offline it must be a real bool.
@@ -35,11 +36,14 @@ from auxout.integrations.vllm.options import (
     WEIGHTS_FLAG,
     WEIGHTS_SPLIT,
     VllmOptions,
+    misspelt_route_field,
     normalize_flag,
     options_from_vllm_config,
 )
 
 PROMPT_START = "routed_experts_prompt_start"
+_EXTRA_ARGS = (REQUEST_FLAG, OUTPUT_FLAG, WEIGHTS_FLAG)  # auxout's extra_args keys
+_HTTP_ONLY = ("routed_experts_format", "routed_experts_session")  # (http_checks: top-level body fields)
 _INSTALLED = False
 _FLAG_AS_INT = False  # True behind the HTTP server: vLLM turned the JSON bool into 0/1 after our raw check
 
@@ -101,6 +105,12 @@ def check_request_flag(
                 WEIGHTS_FLAG,
                 value,
             )
+    for name in extra:
+        hint = misspelt_route_field(name, _EXTRA_ARGS) if isinstance(name, str) else None
+        if hint is not None:
+            if name in _HTTP_ONLY:
+                hint = f"{name} is a field of auxout serve's HTTP API; offline, routes come back as arrays"
+            raise _error(f"unknown routes field {name} in extra_args / vllm_xargs: {hint}", name, extra[name])
     start = getattr(params, PROMPT_START, 0)
     if start is not None and (isinstance(start, bool) or not isinstance(start, int) or start < 0):
         raise _error(f"{PROMPT_START} must be a non-negative integer, got {start!r}", PROMPT_START, start)
