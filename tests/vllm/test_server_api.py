@@ -280,7 +280,7 @@ def test_keys_only_over_http_returns_a_manifest(server, oracle):
         # a misspelt field would be ignored by vLLM: refused, naming the one meant
         ({"routed_experts_sesion": "s"}, "did you mean routed_experts_session"),
         ({"vllm_xargs": {"return_routed_expert": False}}, "did you mean return_routed_experts"),
-        ({"routed_experts": True}, "routed_experts is the response field"),
+        ({"routed_experts": True}, "routed_experts is the output field"),
     ],
 )
 def test_bad_new_fields_get_400_naming_the_field(server, oracle, extra, field):
