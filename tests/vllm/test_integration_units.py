@@ -283,3 +283,46 @@ def test_a_prompt_filling_the_context_is_named_in_every_openai_server():
         assert wrapped(128, 0, 10, {}) == 0  # a max_tokens of 0 the client sent: vLLM's own check answers it
         assert wrapped(128, None, 127, {}) == 1 and wrapped(128, 8, 100, {}) == 8
         assert wrapped(128, 8, 200, {}, truncate_prompt_tokens=100) == 8
+
+
+def test_seeded_chunk_fix_keeps_discarded_generators_and_asks_once_per_step():
+    """The CPU rewind: a discarded sample leaves its generator's state as it was, the CUDA-only
+    rewind never sees that generator, and the mask is read once per step (both hooks share it)."""
+    import types
+
+    import torch
+
+    import auxout.integrations.vllm.cpu_worker as cw
+
+    gens = {0: torch.Generator().manual_seed(1), 2: torch.Generator().manual_seed(2)}
+    mask = np.array([True, False, False, False])
+    runner = types.SimpleNamespace(
+        input_batch=types.SimpleNamespace(generators=gens, num_reqs=3),
+        discard_request_mask=types.SimpleNamespace(np=mask),
+    )
+    seen: list[set[int]] = []
+    runner._sample = lambda logits, meta: [torch.rand(1, generator=g) for g in gens.values()]
+    runner._bookkeeping_sync = lambda out, sampled, logits, *rest: seen.append(set(gens))  # what vLLM rewinds
+    cw.install_seeded_chunk_fix(runner)
+    calls = [0]
+    original = cw._discarded_generators
+
+    def counted(r: object) -> dict:
+        calls[0] += 1
+        return original(r)
+
+    cw._discarded_generators = counted
+    try:
+        for _ in range(3):
+            logits = torch.zeros(1)  # (a new tensor each step, as the forward makes)
+            before = {i: g.get_state() for i, g in gens.items()}
+            runner._sample(logits, None)
+            runner._bookkeeping_sync(None, None, logits, None, 0)
+            assert torch.equal(gens[0].get_state(), before[0]), "a discarded sample moved its generator"
+            assert not torch.equal(gens[2].get_state(), before[2]), "a kept sample must move its generator"
+            assert seen[-1] == {2} and set(gens) == {0, 2}, seen  # hidden from the rewind, then back
+        assert calls[0] == 3, calls  # one mask read per step
+        runner._bookkeeping_sync(None, None, torch.zeros(1), None, 0)  # another step's logits: read again
+        assert calls[0] == 4 and seen[-1] == {2}
+    finally:
+        cw._discarded_generators = original

@@ -70,10 +70,8 @@ def _discarded_generators(runner: Any) -> dict[int, torch.Generator]:
     gens: dict[int, torch.Generator] = batch.generators
     if not gens:
         return {}
-    mask = runner.discard_request_mask.np[: batch.num_reqs]
-    if not mask.any():
-        return {}
-    return {int(i): gens[int(i)] for i in np.flatnonzero(mask) if int(i) in gens}
+    hits = np.flatnonzero(runner.discard_request_mask.np[: batch.num_reqs]).tolist()
+    return {i: gens[i] for i in hits if i in gens} if hits else {}
 
 
 @contextlib.contextmanager
@@ -98,8 +96,13 @@ def install_seeded_chunk_fix(runner: Any) -> None:
     sample = runner._sample
     bookkeeping = runner._bookkeeping_sync
 
+    # (_sample and _bookkeeping_sync run back to back in one step: the second reuses the first's
+    # answer, tagged with the step's logits tensor, which both get and the forward makes anew)
+    step: list[Any] = [None, {}]
+
     def _sample(*args: Any, **kwargs: Any) -> Any:
         discarded = _discarded_generators(runner)
+        step[:] = [args[0] if args else kwargs.get("logits"), discarded]
         if not discarded:
             return sample(*args, **kwargs)
         states = {i: g.get_state() for i, g in discarded.items()}
@@ -110,7 +113,10 @@ def install_seeded_chunk_fix(runner: Any) -> None:
                 g.set_state(states[i])
 
     def _bookkeeping_sync(*args: Any, **kwargs: Any) -> Any:
-        discarded = _discarded_generators(runner)
+        tag, discarded = step
+        step[:] = [None, {}]
+        if tag is None or tag is not (args[2] if len(args) > 2 else kwargs.get("logits")):
+            discarded = _discarded_generators(runner)
         if not discarded:
             return bookkeeping(*args, **kwargs)
         with _hidden(runner.input_batch.generators, discarded):
