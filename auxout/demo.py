@@ -207,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"throughput on       {on.generated_tokens / on.seconds:.1f} generated tok/s ({tok_s:.1f} computed tok/s)")
     if off is not None:
         print(f"throughput off      {off.generated_tokens / off.seconds:.1f} generated tok/s")
-        print(f"ratio on/off        {off.seconds / on.seconds:.3f} (one short run; benchmarks/engine_overhead.py measures it)")
+        print(f"ratio on/off        {off.seconds / on.seconds:.3f} (one short run; benchmarks/toggle_overhead.py measures it)")
     return 1 if bad else 0
 
 
