@@ -20,6 +20,11 @@ step, plus the final terminal-event delivery and a store flush); building the st
 the engine's own bookkeeping are not. Reported numbers are medians over repeats, and auxout and
 vLLM runs are interleaved so machine noise hits both alike.
 
+``--bridge`` adds a row for auxout as its vLLM bridge drives it: a running request's rows are
+held (``HeldRows``) until it finishes, a steady decode step is taken whole (``take_step``), and
+the holding and the join at finish are timed (the other rows hold only the verified requests'
+chunks, untimed; compare it with ``--time-join`` for multi-turn, whose joins copy the history).
+
     .venv/bin/python benchmarks/dataplane.py            # ~1-3 min on 2 cores
     .venv/bin/python benchmarks/dataplane.py --quick    # ~20 s (+ vLLM import time)
 """
@@ -40,6 +45,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from auxout.held_rows import HeldRows
 from auxout.keys import KeySpace
 from auxout.metadata import StepOutput
 from auxout.profile import RouteProfile
@@ -417,6 +423,64 @@ class AuxoutSyncDriver(AuxoutDriver):
     background = False
 
 
+class AuxoutBridgeDriver(AuxoutDriver):
+    """auxout as its vLLM bridge drives it (``--bridge``): every request's rows are held until it
+    finishes (``HeldRows``, timed), and a plain decode step is taken whole (``take_step``).
+
+    vLLM's loop asks the bridge for each request; the bridge only queues a running request then
+    (no rows are handed over before it finishes) and takes the queued ones after the loop, in one
+    call for a steady decode batch. Holding every request's rows and joining them at its finish
+    are timed here, while the other drivers hold only the verified requests' chunks, untimed:
+    this row is the conservative one."""
+
+    name = "auxout-bridge"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held = HeldRows()
+
+    def emit(self, out: StepOutput, emitters: list[Req], finished: list[Req], chunked: list[Req]) -> None:
+        take, held = self.sched.take_output_parts, self.held
+        bulk = not out.heads and not out.errors  # (the bridge queues only in a step without them)
+        queued: list[Req] = []
+        tokens: list[int] = []
+        for r in emitters:  # (the bridge's take_output, called per request by vLLM's loop)
+            if bulk and not r.finished:
+                queued.append(r)
+                tokens.append(r.num_tokens)
+                continue
+            self._hold(r, take(out, r, finished=r.finished))
+            if r.finished:
+                rows = held.pop(r.request_id)  # handed over joined, as the bridge's engine_rows
+                if r.chunks is not None and rows is not None:
+                    r.chunks.append(rows)
+        if queued:
+            whole = self.sched.take_step(out, queued, tokens)
+            if whole is not None:
+                held.add_step(out.req_ids, whole)
+            else:
+                for r, taken in zip(queued, self.sched.take_outputs(out, queued)):
+                    self._hold(r, taken)
+        for r in chunked:  # prefill chunks that sampled nothing: held too
+            self._hold(r, take(out, r))
+        for r in finished:
+            self.sched.request_finished(r)
+
+    def _hold(self, r: Req, parts: object) -> None:
+        if type(parts) is list:
+            for part in parts:
+                self.held.add(r.request_id, part)
+        elif isinstance(parts, np.ndarray):
+            self.held.add(r.request_id, parts)
+
+    def drain(self, live: dict[str, Req]) -> None:
+        super().drain(live)
+        for r in live.values():  # (untimed in effect: after the clock; the verifier reads them)
+            rows = self.held.pop(r.request_id)
+            if r.chunks is not None and rows is not None:
+                r.chunks.append(rows)
+
+
 class VllmDriver:
     """vLLM's in-tree connectors; the worker is built with ``object.__new__`` (no GPU/model)."""
 
@@ -607,14 +671,18 @@ def report(wl: Workload, res: dict[str, Measured]) -> list[tuple[str, bool]]:
         status = "OK" if not m.mismatches else f"MISMATCH ({len(m.mismatches)}): {m.mismatches[:3]}"
         print(f"          verified {m.verified} requests bit-for-bit: {status}" + "".join(f"; NOTE {x}" for x in m.notes))
     checks: list[tuple[str, bool]] = [(f"{wl.name}: auxout outputs equal the rows fed in", not a.mismatches)]
+    bridge = res.get("auxout-bridge")
+    if bridge is not None:
+        checks.append((f"{wl.name}: auxout-bridge outputs equal the rows fed in", not bridge.mismatches))
     v = res.get("vLLM")
     if v is not None:
         ratio = a.median / v.median
         print(f"  ratio auxout/vLLM cost {ratio:.3f}   speed-up vLLM/auxout {1 / ratio:.2f}x")
         print(f"  paired ratio auxout/vLLM {_paired(a, v)}")
-        sync = res.get("auxout-sync")
-        if sync is not None:
-            print(f"  ratio auxout-sync/vLLM cost {sync.median / v.median:.3f}   paired {_paired(sync, v)}")
+        for other in ("auxout-sync", "auxout-bridge"):
+            o = res.get(other)
+            if o is not None:
+                print(f"  ratio {other}/vLLM cost {o.median / v.median:.3f}   paired {_paired(o, v)}")
     target = MAX_COST_RATIO.get(wl.name)
     if wl.name == "prefill":
         print(f"  prefill route bytes: {handled / a.median / 1e9:.2f} GB/s")
@@ -658,6 +726,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--sync-store", action="store_true", help="also run auxout without the writer thread")
     ap.add_argument("--thread-time", action="store_true", help="time the step thread's CPU time, not wall time")
     ap.add_argument("--time-join", action="store_true", help="also time each request's hand-over join (both drivers)")
+    ap.add_argument("--bridge", action="store_true", help="also run auxout as its vLLM bridge drives it (HeldRows, take_step)")
     args = ap.parse_args(argv)
     JOIN[0] = args.time_join
     if args.thread_time:
@@ -674,6 +743,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     drivers: list[tuple[str, Callable[[], Driver]]] = [("auxout", AuxoutDriver)]
     if args.sync_store:
         drivers.append(("auxout-sync", AuxoutSyncDriver))
+    if args.bridge:
+        drivers.append(("auxout-bridge", AuxoutBridgeDriver))
     if mods is not None:
         drivers.append(("vLLM", lambda: VllmDriver(mods)))
 
