@@ -38,6 +38,7 @@ TOP_LEVEL = (PROMPT_START, FORMAT_FIELD, SESSION_FIELD, WEIGHTS_FLAG)
 """auxout's fields that go at the top of an HTTP request body."""
 IN_XARGS = (REQUEST_FLAG, OUTPUT_FLAG)
 """auxout's fields that go in ``vllm_xargs`` (vLLM's per-request ``extra_args``)."""
+_KNOWN = (*TOP_LEVEL, *IN_XARGS)
 _CHECKED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/chat/completions/batch")
 _NO_ROUTE_PATHS = ("/v1/responses", "/v1/messages")
 """Generation APIs whose responses have no place for routes: a route field sent there is a 400."""
@@ -94,9 +95,6 @@ def body_problem(body: object) -> tuple[str, str] | None:
     return None
 
 
-_KNOWN = (*TOP_LEVEL, *IN_XARGS)
-
-
 def _misspelt(fields: dict[Any, Any], where: str) -> tuple[str, str] | None:
     for name in fields:
         hint = misspelt_route_field(name, _KNOWN) if isinstance(name, str) else None
@@ -134,13 +132,13 @@ def drop_null_fields(body: object) -> bool:
     if not isinstance(body, dict):
         return False
     dropped = False
-    for name in (*TOP_LEVEL, *IN_XARGS):
+    for name in _KNOWN:
         if name in body and body[name] is None:
             del body[name]
             dropped = True
     xargs = body.get("vllm_xargs")
     if isinstance(xargs, dict):
-        for name in (*TOP_LEVEL, *IN_XARGS):
+        for name in _KNOWN:
             if name in xargs and xargs[name] is None:
                 del xargs[name]
                 dropped = True

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from auxout.integrations.vllm.http_checks import FORMAT_FIELD, SESSION_FIELD
 from auxout.integrations.vllm.options import (
     OUTPUT_FLAG,
     REQUEST_FLAG,
@@ -43,7 +44,7 @@ from auxout.integrations.vllm.options import (
 
 PROMPT_START = "routed_experts_prompt_start"
 _EXTRA_ARGS = (REQUEST_FLAG, OUTPUT_FLAG, WEIGHTS_FLAG)  # auxout's extra_args keys
-_HTTP_ONLY = ("routed_experts_format", "routed_experts_session")  # (http_checks: top-level body fields)
+_HTTP_ONLY = (FORMAT_FIELD, SESSION_FIELD)  # top-level HTTP body fields, no extra_args
 _INSTALLED = False
 _FLAG_AS_INT = False  # True behind the HTTP server: vLLM turned the JSON bool into 0/1 after our raw check
 
