@@ -10,15 +10,13 @@ the store's writer thread counts its wall time there, GIL waits included.
 
 from __future__ import annotations
 
-import collections
 import sys
-import time
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import dataplane  # noqa: E402
+from engine_hooks import TIMES, timed  # noqa: E402
 
 from auxout.keys import ChainKeys, KeySpace  # noqa: E402
 from auxout.scheduler_connector import SchedulerConnector  # noqa: E402
@@ -38,30 +36,13 @@ TIMED: tuple[tuple[type, tuple[str, ...]], ...] = (
 
 
 def main(argv: list[str]) -> int:
-    total: collections.defaultdict[str, float] = collections.defaultdict(float)
-    calls: collections.Counter[str] = collections.Counter()
-
-    def wrap(cls: type, name: str) -> None:
-        func = getattr(cls, name)
-        label = f"{cls.__name__}.{name}"
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return func(*args, **kwargs)
-            finally:
-                total[label] += time.perf_counter() - t0
-                calls[label] += 1
-
-        setattr(cls, name, timed)
-
     for cls, names in TIMED:
         for name in names:
-            wrap(cls, name)
+            timed(cls, name, f"{cls.__name__}.{name}")  # (engine_hooks' wrapper: each call into TIMES)
     rc = dataplane.main(argv)
     print(f"\n{'call':<42} {'total':>10} {'calls':>9} {'per call':>10}")
-    for label, t in sorted(total.items(), key=lambda kv: -kv[1]):
-        print(f"{label:<42} {t * 1e3:8.1f} ms {calls[label]:9d} {t / calls[label] * 1e6:7.1f} us")
+    for label, ts in sorted(TIMES.items(), key=lambda kv: -sum(kv[1])):
+        print(f"{label:<42} {sum(ts) * 1e3:8.1f} ms {len(ts):9d} {sum(ts) / len(ts) * 1e6:7.1f} us")
     return rc
 
 
