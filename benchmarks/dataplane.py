@@ -449,7 +449,7 @@ class AuxoutBridgeDriver(AuxoutDriver):
                 queued.append(r)
                 tokens.append(r.num_tokens)
                 continue
-            self._hold(r, take(out, r, finished=r.finished))
+            self._keep(r, take(out, r, finished=r.finished))
             if r.finished:
                 rows = held.pop(r.request_id)  # handed over joined, as the bridge's engine_rows
                 if r.chunks is not None and rows is not None:
@@ -460,13 +460,14 @@ class AuxoutBridgeDriver(AuxoutDriver):
                 held.add_step(out.req_ids, whole)
             else:
                 for r, taken in zip(queued, self.sched.take_outputs(out, queued)):
-                    self._hold(r, taken)
+                    self._keep(r, taken)
         for r in chunked:  # prefill chunks that sampled nothing: held too
-            self._hold(r, take(out, r))
+            self._keep(r, take(out, r))
         for r in finished:
             self.sched.request_finished(r)
 
-    def _hold(self, r: Req, parts: object) -> None:
+    def _keep(self, r: Req, parts: object) -> None:
+        """Hold what ``take_output_parts``/``take_outputs`` gave for ``r`` (a list: parts in order)."""
         if type(parts) is list:
             for part in parts:
                 self.held.add(r.request_id, part)
@@ -475,7 +476,7 @@ class AuxoutBridgeDriver(AuxoutDriver):
 
     def drain(self, live: dict[str, Req]) -> None:
         super().drain(live)
-        for r in live.values():  # (untimed in effect: after the clock; the verifier reads them)
+        for r in live.values():  # the rows still held are handed over (timed, as replay times drain)
             rows = self.held.pop(r.request_id)
             if r.chunks is not None and rows is not None:
                 r.chunks.append(rows)
