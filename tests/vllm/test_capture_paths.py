@@ -33,27 +33,28 @@ def _ids(rng: np.random.Generator, n: int, k: int, e: int) -> torch.Tensor:
     return torch.from_numpy(np.stack([rng.choice(e, k, replace=False) for _ in range(n)]).astype(np.int32))
 
 
+@pytest.mark.parametrize("num_layers", [3, 8], ids=["3-layers", "8-layers-stacked"])
 @pytest.mark.parametrize("num_experts", [64, 512], ids=["uint8", "uint16"])
 @pytest.mark.parametrize("host_buffer", [True, False], ids=["numpy", "tensor"])
-def test_capture_and_snapshot(host_buffer, num_experts):
-    profile = RouteProfile(num_layers=3, top_k=4, num_experts=num_experts)
+def test_capture_and_snapshot(host_buffer, num_experts, num_layers):
+    profile = RouteProfile(num_layers=num_layers, top_k=4, num_experts=num_experts)
     cap = RouteCapture(profile, max_tokens=32, device="cpu", host_buffer=host_buffer)
     assert cap.on_host is host_buffer
     assert isinstance(cap.buffer, torch.Tensor) and cap.buffer.dtype == (torch.uint8 if num_experts <= 256 else torch.uint16)
     if not host_buffer:  # the tensor path owns its own buffer: numpy writes would not reach it
         assert cap.buffer.data_ptr() != cap.host_buffer.ctypes.data
-    routers = [_Router() for _ in range(3)]
+    routers = [_Router() for _ in range(num_layers)]
     cap.bind(routers)
     rng = np.random.default_rng(0)
-    step1 = [_ids(rng, 10, 4, num_experts) for _ in range(3)]
+    step1 = [_ids(rng, 10, 4, num_experts) for _ in range(num_layers)]
     for r, ids in zip(routers, step1, strict=True):
         r.fn(ids)
     snap1 = cap.snapshot(10)
-    assert snap1.dtype == profile.dtype and snap1.shape == (10, 3, 4)
+    assert snap1.dtype == profile.dtype and snap1.shape == (10, num_layers, 4)
     expected1 = torch.stack(step1, dim=1).numpy().astype(profile.dtype)
     assert np.array_equal(snap1, expected1)
     # the next step overwrites the buffer; the earlier snapshot must not change
-    step2 = [_ids(rng, 7, 4, num_experts) for _ in range(3)]
+    step2 = [_ids(rng, 7, 4, num_experts) for _ in range(num_layers)]
     for r, ids in zip(routers, step2, strict=True):
         r.fn(ids)
     assert np.array_equal(snap1, expected1), "snapshot aliases the capture buffer"
@@ -63,6 +64,14 @@ def test_capture_and_snapshot(host_buffer, num_experts):
         with pytest.raises(InvariantError, match="routed 33 tokens"):
             cap.snapshot(7)
         assert np.array_equal(cap.snapshot(7), torch.stack(step2, dim=1).numpy().astype(profile.dtype))
+        padded = [_ids(rng, 9, 4, num_experts) for _ in range(num_layers)]
+        for r, ids in zip(routers, padded, strict=True):  # padded rows beyond the step's are dropped
+            r.fn(ids)
+        assert np.array_equal(cap.snapshot(7), torch.stack(padded, dim=1)[:7].numpy().astype(profile.dtype))
+        for r, ids in zip(routers, step2, strict=True):  # a later buffer read sees the last snapshot's rows
+            r.fn(ids)
+        snap2 = cap.snapshot(7)
+        assert np.array_equal(cap.rows_bytes(7).numpy().view(profile.dtype).reshape(snap2.shape), snap2)
         for r in routers:  # every layer routed, but fewer tokens than the step claims
             r.fn(_ids(rng, 5, 4, num_experts))
         with pytest.raises(InvariantError, match="routed 5 tokens, the step has 7"):

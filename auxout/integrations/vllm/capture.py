@@ -76,6 +76,9 @@ def profile_from_model_config(model_config: Any, num_moe_layers: int, weights: b
     )
 
 
+_STACK_FROM = 8  # MoE layers from which snapshot stacks them (benchmarks/capture_snapshot.py)
+
+
 class RouteCapture:
     """Per-step capture buffer bound to a model's routers (one per worker)."""
 
@@ -237,9 +240,15 @@ class RouteCapture:
         if self._ids_on_host and 0 <= num_rows <= self.max_tokens and all(t is not None for t in held):
             # every layer routed this step (no PP stage's rows in the buffer): one new array, each
             # layer copied straight into it (the buffer's copy and the copy out of it, in one)
-            out = np.empty((num_rows, *self._row_shape), dtype=self._row_dtype)
             ids = held[:]
             held[:] = [None] * len(held)
+            if len(ids) >= _STACK_FROM and all(len(t) == num_rows for t in ids):  # type: ignore[arg-type]
+                # many layers: one torch.stack and one cast instead of two calls per layer
+                # (from 8 layers; 16: 0.8x the time, 48: 0.6x, benchmarks/capture_snapshot.py)
+                out = torch.stack(ids, 1).numpy().astype(self._row_dtype)  # type: ignore[arg-type]
+                self._unbuffered = out
+                return out
+            out = np.empty((num_rows, *self._row_shape), dtype=self._row_dtype)
             for layer, topk_ids in enumerate(ids):
                 assert topk_ids is not None
                 rows = topk_ids.numpy()  # (sliced and measured as numpy: torch's calls cost more)
