@@ -84,3 +84,30 @@ def test_manifests_fetch_the_oracle_routes(llm, model_path):  # type: ignore[no-
     )
     assert c.outputs[0].routed_experts is not None
     assert np.array_equal(c.outputs[0].routed_experts, got_b)
+
+
+def test_each_of_n_completions_fetches_its_own_routes(llm, model_path):  # type: ignore[no-untyped-def]
+    """n > 1: vLLM keeps one ``kv_transfer_params`` per request (the last child's); each
+    completion carries its own manifest, and the request-level one, which would name one
+    completion only, is gone."""
+    from vllm import SamplingParams
+
+    oracle = Oracle(model_path)
+    prompt = random_prompt(np.random.default_rng(51), 40)
+    params = SamplingParams(n=3, max_tokens=12, temperature=1.0, seed=3, detokenize=False, routed_experts_prompt_start=20)
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    assert "auxout_routes_manifest" not in (out.kv_transfer_params or {})
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # sampled apart: a shared manifest would show
+    keys = set()
+    for c in out.outputs:
+        assert c.routed_experts is None
+        m = RouteManifest.from_dict(c.auxout_routes_manifest)
+        keys.add(tuple(m.keys))
+        tokens = prompt + list(c.token_ids)
+        expected = oracle.routes(tokens)[20 : len(tokens) - 1]
+        got = fetch(m)
+        assert got.shape == expected.shape, f"completion {c.index}"
+        assert (np.sort(got, axis=-1) == np.sort(expected, axis=-1)).all(), f"completion {c.index}"
+    assert len(keys) == len({tuple(c.token_ids) for c in out.outputs})
+    (one,) = llm.generate([{"prompt_token_ids": prompt}], greedy(4), use_tqdm=False)  # n=1: both places
+    assert one.outputs[0].auxout_routes_manifest == manifest_of(one).to_dict()

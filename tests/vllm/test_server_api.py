@@ -256,6 +256,20 @@ def test_keys_only_over_http_returns_a_manifest(server, oracle):
     streamed = fetch(RouteManifest.from_dict(finals[0]["routed_experts_manifest"]))
     out = [t for e in events for c in e["choices"] for t in (c.get("token_ids") or [])]
     check(oracle, prompt + out, streamed, 0)
+    # n > 1: each choice fetches its own completion's routes (vLLM keeps one kv_transfer_params
+    # per request, the last child's), streamed and not
+    sampled = body(server, prompt=prompt, max_tokens=8, n=3, temperature=1.0, seed=7,
+                   vllm_xargs={"routed_experts_output": "keys"})
+    choices = server.post("/v1/completions", json=sampled).json()["choices"]
+    assert len({tuple(c["token_ids"]) for c in choices}) > 1  # sampled apart: a shared manifest would show
+    for c in choices:
+        check(oracle, prompt + c["token_ids"], fetch(RouteManifest.from_dict(c["routed_experts_manifest"])), 0)
+    events = sse(server, "/v1/completions", sampled)
+    finals = {c["index"]: c for e in events for c in e["choices"] if c.get("finish_reason")}
+    assert sorted(finals) == [0, 1, 2]
+    for i, c in finals.items():
+        out = [t for e in events for d in e["choices"] if d["index"] == i for t in (d.get("token_ids") or [])]
+        check(oracle, prompt + out, fetch(RouteManifest.from_dict(c["routed_experts_manifest"])), 0)
 
 
 @pytest.mark.parametrize(

@@ -26,19 +26,22 @@ def engine_kwargs(**options: Any) -> dict[str, Any]:
     ``options`` are :class:`VllmOptions` fields (``store``, ``max_bytes``, ``default_return``,
     ``namespace``, ``store_options``, ``output``, ``routing_weights``); they travel in
     ``additional_config["auxout"]``, which vLLM pickles into its engine-core and worker processes.
-    Also installs, in this process, the split of returned rows into ids and routing weights.
+    Also installs, in this process, the split of returned rows into ids and routing weights, and
+    each completion's own manifest (``completion_fields``: with ``n > 1`` each has its own).
 
     Prefix caching is not set here (vLLM turns it on by default for every model that supports it),
     so ``LLM(path, enable_prefix_caching=True, **engine_kwargs())`` works; the worker refuses to
     start, saying why, if it ends up off. Also installs auxout's request checks in this process
     (where vLLM builds requests), so bad inputs fail with a clear error before the engine.
     """
+    from auxout.integrations.vllm.completion_fields import install_completion_fields
     from auxout.integrations.vllm.validation import install_request_validation
     from auxout.integrations.vllm.weights_output import install_weights_split
 
     opts = VllmOptions.from_dict(options)
     install_request_validation()
     install_weights_split()
+    install_completion_fields()
     return {
         "scheduler_cls": SCHEDULER_CLS,
         "worker_cls": default_worker_cls(),

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from auxout.integrations.vllm.completion_fields import completion_field
 from auxout.integrations.vllm.http_checks import FORMAT_FIELD, SESSION_FIELD
 from auxout.integrations.vllm.options import (
     MANIFEST_FIELD,
@@ -251,7 +252,7 @@ class RouteResponder:
             if hit is None:
                 continue
             res, output = hit
-            manifest = (getattr(res, "kv_transfer_params", None) or {}).get(MANIFEST_FIELD)
+            manifest = completion_field(output, res, MANIFEST_FIELD)
             rows, weights = output.routed_experts, getattr(output, WEIGHTS_OUTPUT, None)
             if rows is not None and weights is not None:
                 rows = join_rows(rows, weights)
@@ -351,8 +352,8 @@ async def _tap(results: AsyncIterator[Any], trackers: dict[int, ChoiceRows], num
                 tracker = trackers[i] = ChoiceRows(start)
                 tracker.tokens = prompt_lens.get(prompt_idx, 0)
             tracker.observe(output, None)
-            if res.finished:
-                tracker.manifest = (res.kv_transfer_params or {}).get(MANIFEST_FIELD)
+            if output.finish_reason is not None:
+                tracker.manifest = completion_field(output, res, MANIFEST_FIELD)
         yield item
 
 
