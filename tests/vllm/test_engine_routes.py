@@ -127,6 +127,8 @@ def test_bad_opt_out_value_is_rejected_before_the_engine(llm, oracle):
         run(llm, [prompt], greedy(4, extra_args={"return_routed_expert": False}))
     (c,), _ = run(llm, [prompt], greedy(4))
     oracle.check(prompt, c)
+    (c,), _ = run(llm, [prompt], greedy(4, routed_experts_prompt_start=np.int64(5)))  # a numpy index works
+    oracle.check(prompt, c, prompt_start=5)
 
 
 def test_concurrent_requests_sharing_a_prefix(llm, oracle):

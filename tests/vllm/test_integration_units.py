@@ -87,10 +87,20 @@ def test_request_flag_normalization_and_check():
             check_request_flag(SamplingParams(extra_args={"return_routing_weights": bad}), weights=True)
     # a misspelt key would be ignored (the request would silently keep its routes): named instead
     for typo, meant in (("return_routed_expert", "did you mean return_routed_experts"),
-                        ("routed_experts", "output field"), ("routed_experts_format", "HTTP API")):
+                        ("routed_experts", "output field"), ("routed_experts_format", "HTTP API"),
+                        # the field meant lives elsewhere: named, and where it goes
+                        ("routed_experts_sesion", r"did you mean routed_experts_session\? \(a top-level field"),
+                        ("routed_expert_prompt_start",
+                         r"did you mean routed_experts_prompt_start\? \(not an extra_args key: SamplingParams")):
         with pytest.raises(VLLMValidationError, match=f"unknown routes field {typo} .*{meant}"):
             check_request_flag(SamplingParams(extra_args={typo: False}))
     check_request_flag(SamplingParams(extra_args={"my_own_flag": 1}))  # others' keys are theirs
+    p = SamplingParams(routed_experts_prompt_start=np.int64(3))  # a numpy index is an integer
+    check_request_flag(p)
+    assert p.routed_experts_prompt_start == 3 and type(p.routed_experts_prompt_start) is int
+    for bad in (True, 2.0, "3", np.float64(3.0), -1, np.int64(-1)):
+        with pytest.raises(VLLMValidationError, match="routed_experts_prompt_start must be a non-negative integer"):
+            check_request_flag(SamplingParams(routed_experts_prompt_start=bad))
 
 
 def test_rejected_rows_count_only_drafted_requests():

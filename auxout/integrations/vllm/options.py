@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -39,9 +39,10 @@ SHARED_STORES = ("redis", "mooncake")
 """Stores the scheduler process can reach too: keys-only output needs one."""
 
 
-def misspelt_route_field(name: str, known: Sequence[str]) -> str | None:
+def misspelt_route_field(name: str, known: Sequence[str], where: Mapping[str, str] | None = None) -> str | None:
     """What to say about ``name``, a field named like auxout's that is none of ``known`` (a typo
-    vLLM would silently ignore); None when it is known or not named like a route field."""
+    vLLM would silently ignore); None when it is known or not named like a route field.
+    ``where``: for a field meant that belongs in another place, where it goes."""
     low = name.lower()
     if name in known or ("routed_expert" not in low and "routing_weight" not in low):
         return None
@@ -51,7 +52,10 @@ def misspelt_route_field(name: str, known: Sequence[str]) -> str | None:
             f"{REQUEST_FLAG}=false (extra_args offline, vllm_xargs over HTTP)"
         )
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-    return f"did you mean {close[0]}?" if close else "auxout's fields are " + ", ".join(known)
+    if not close:
+        return "auxout's fields are " + ", ".join(known)
+    place = (where or {}).get(close[0])
+    return f"did you mean {close[0]}?" + (f" ({place})" if place else "")
 
 
 def normalize_flag(value: object) -> object:

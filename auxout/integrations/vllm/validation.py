@@ -45,6 +45,10 @@ from auxout.integrations.vllm.options import (
 PROMPT_START = "routed_experts_prompt_start"
 _EXTRA_ARGS = (REQUEST_FLAG, OUTPUT_FLAG, WEIGHTS_FLAG)  # auxout's extra_args keys
 _HTTP_ONLY = (FORMAT_FIELD, SESSION_FIELD)  # top-level HTTP body fields, no extra_args
+_ELSEWHERE = {  # where a field meant by a misspelt extra_args key goes, if not in extra_args
+    PROMPT_START: f"not an extra_args key: SamplingParams({PROMPT_START}=N) offline, a top-level field over HTTP",
+    **{f: "a top-level field of auxout serve's HTTP API; offline, routes come back as arrays" for f in _HTTP_ONLY},
+}
 _INSTALLED = False
 _FLAG_AS_INT = False  # True behind the HTTP server: vLLM turned the JSON bool into 0/1 after our raw check
 
@@ -107,12 +111,18 @@ def check_request_flag(
                 value,
             )
     for name in extra:
-        hint = misspelt_route_field(name, _EXTRA_ARGS) if isinstance(name, str) else None
+        if not isinstance(name, str) or name in _EXTRA_ARGS:
+            continue
+        if name in _HTTP_ONLY:
+            hint: str | None = f"{name} is a field of auxout serve's HTTP API; offline, routes come back as arrays"
+        else:  # (the field meant may be one that lives elsewhere: say where)
+            hint = misspelt_route_field(name, (*_EXTRA_ARGS, PROMPT_START, *_HTTP_ONLY), _ELSEWHERE)
         if hint is not None:
-            if name in _HTTP_ONLY:
-                hint = f"{name} is a field of auxout serve's HTTP API; offline, routes come back as arrays"
             raise _error(f"unknown routes field {name} in extra_args / vllm_xargs: {hint}", name, extra[name])
     start = getattr(params, PROMPT_START, 0)
+    if isinstance(start, np.integer):  # (an index from numpy is an integer: passed on as Python's)
+        start = int(start)
+        setattr(params, PROMPT_START, start)
     if start is not None and (isinstance(start, bool) or not isinstance(start, int) or start < 0):
         raise _error(f"{PROMPT_START} must be a non-negative integer, got {start!r}", PROMPT_START, start)
 
