@@ -264,6 +264,37 @@ def test_apis_without_routes_name_the_route_field_they_would_ignore():
         assert problem is not None and problem[0] == f"vllm_xargs.{name}", problem
 
 
+def test_token_in_token_out_api_checks_route_fields_where_it_reads_them():
+    """``/inference/v1/generate`` reads the prompt start and flags inside ``sampling_params``: a
+    wrong type there, or any route field where it would be ignored, is named (not coerced)."""
+    from auxout.integrations.vllm.http_checks import IN_XARGS, TOP_LEVEL, tokens_api_problem
+
+    def problem(body: dict) -> tuple[str, str]:
+        got = tokens_api_problem({"token_ids": [1, 2], **body})
+        assert got is not None, body
+        return got
+
+    ok = {"sampling_params": {"max_tokens": 2, "routed_experts_prompt_start": 1,
+                              "extra_args": {"return_routed_experts": False, "routed_experts_output": "inline"}}}
+    assert tokens_api_problem({"token_ids": [1], **ok}) is None and tokens_api_problem([1]) is None
+    assert tokens_api_problem({"token_ids": [1], "sampling_params": {"extra_args": {"my_flag": 1}}}) is None
+    for bad in (True, 2.0, "3", -1):
+        field, message = problem({"sampling_params": {"routed_experts_prompt_start": bad}})
+        assert field == "sampling_params.routed_experts_prompt_start" and "non-negative JSON integer" in message
+    for name in (*TOP_LEVEL, *IN_XARGS, "routed_experts_sesion"):  # ignored at the top level: named
+        field, message = problem({"sampling_params": {}, name: 1})
+        assert field == name and "not read at the top level" in message, message
+    assert "set sampling_params.routed_experts_prompt_start" in problem({"routed_experts_prompt_start": 1})[1]
+    assert "set sampling_params.extra_args.return_routed_experts" in problem({"return_routed_experts": False})[1]
+    for name in ("routed_experts_format", "routed_experts_session", "return_routing_weights"):
+        field, message = problem({"sampling_params": {"extra_args": {name: True}}})
+        assert field == f"sampling_params.extra_args.{name}" and "/v1/completions" in message
+    for extra, name in (({"return_routed_experts": 0}, "return_routed_experts"),
+                        ({"routed_experts_output": "rows"}, "routed_experts_output"),
+                        ({"return_routed_expert": False}, "return_routed_expert")):
+        assert problem({"sampling_params": {"extra_args": extra}})[0] == f"sampling_params.extra_args.{name}"
+
+
 def test_a_prompt_filling_the_context_is_named_in_every_openai_server():
     """Every loaded serving module's ``get_max_tokens`` names the prompt when it leaves no room."""
     import sys
@@ -336,3 +367,30 @@ def test_seeded_chunk_fix_keeps_discarded_generators_and_asks_once_per_step():
         assert calls[0] == 4 and seen[-1] == {2}
     finally:
         cw._discarded_generators = original
+
+
+def test_a_server_off_by_default_returns_routes_to_a_request_that_sends_a_route_field():
+    """``--auxout-default-return false``: a route field (format, session, prompt start, weights,
+    keys output) asks for routes; without one, or with an explicit opt-out, none come."""
+    from vllm import SamplingParams
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    from auxout.integrations.vllm.http_routes import RouteResponder
+    from auxout.integrations.vllm.options import VllmOptions
+
+    responder = RouteResponder(VllmOptions(default_return=False, routing_weights=True))
+
+    def flag(xargs: dict | None = None, **fields: object) -> object:
+        request = CompletionRequest(model="m", prompt=[1, 2, 3], max_tokens=2, **fields)
+        params = responder.checked_params(request, SamplingParams(max_tokens=2, extra_args=dict(xargs or {})))
+        return params.extra_args.get("return_routed_experts")
+
+    assert flag() is None  # nothing asked: the server's default (no routes)
+    for fields in ({"routed_experts_format": "packed"}, {"routed_experts_session": "s"},
+                   {"routed_experts_prompt_start": 0}, {"return_routing_weights": True}):
+        assert flag(**fields) is True, fields
+    assert flag({"routed_experts_output": "inline"}) is True
+    assert flag({"return_routed_experts": False}, routed_experts_format="packed") is False  # explicit opt-out wins
+    on = RouteResponder(VllmOptions())
+    params = on.checked_params(CompletionRequest(model="m", prompt=[1], routed_experts_format="packed"), SamplingParams())
+    assert "return_routed_experts" not in params.extra_args  # on by default: nothing to add

@@ -46,6 +46,7 @@ def server(model_path: str, tmp_path_factory: pytest.TempPathFactory):
             "--enable-prompt-tokens-details", "--seed", "0",
             "--auxout-store", "redis", "--additional-config", json.dumps({"auxout": {"namespace": "http"}}),
             "--auxout-routing-weights", "true",
+            "--enable-scale-out",  # vLLM's token-in/token-out /inference/v1/generate too
         ]  # fmt: skip
         options = {"store_options": {"url": redis.url, "namespace": "srv"}}
         env = {"AUXOUT_VLLM_OPTIONS": json.dumps(options)}
@@ -477,3 +478,28 @@ def test_apis_without_routes_refuse_route_fields(server, oracle, path, payload):
         err = r.json()["error"]
         assert err["param"] == field and f"{path} returns no routes" in err["message"], err
     assert server.post(path, json=payload).status_code == 200  # without route fields: served as before
+
+
+def test_other_entry_points_check_route_fields_too(server, oracle):
+    """``/invocations`` hands the body to completions or chat; ``/inference/v1/generate`` reads
+    the prompt start inside ``sampling_params``: neither coerces nor ignores a route field."""
+    prompt = random_prompt(np.random.default_rng(91), 30)
+    for bad in (True, 2.0, "3"):
+        r = server.post("/invocations", json=body(server, prompt=prompt, max_tokens=3, routed_experts_prompt_start=bad))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "routed_experts_prompt_start", r.text
+        r = server.post("/inference/v1/generate", json={
+            "model": server.model_path, "token_ids": prompt,
+            "sampling_params": {"max_tokens": 3, "routed_experts_prompt_start": bad}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params.routed_experts_prompt_start"
+    r = server.post("/invocations", json=body(server, prompt=prompt, max_tokens=3, routed_experts_sesion="s"))
+    assert r.status_code == 400 and "did you mean routed_experts_session" in r.text
+    r = server.post("/inference/v1/generate", json={
+        "model": server.model_path, "token_ids": prompt, "sampling_params": {"max_tokens": 3}, "routed_experts_format": "packed"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "routed_experts_format" and "/v1/completions" in r.text
+    r = server.post("/invocations", json=body(server, prompt=prompt, max_tokens=3, routed_experts_prompt_start=4))
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    check(oracle, prompt + c["token_ids"], decode_routes(c), 4)
+    r = server.post("/inference/v1/generate", json={
+        "model": server.model_path, "token_ids": prompt, "sampling_params": {"max_tokens": 3, "temperature": 0}})
+    assert r.status_code == 200 and r.json()["choices"][0].get("routed_experts") is not None, r.text

@@ -1,7 +1,8 @@
 """HTTP-side guards of ``auxout serve``: strict JSON types for auxout's fields, and failure reasons for clients.
 
 :class:`RouteFieldsCheck` is an ASGI middleware (vLLM's ``--middleware``) that reads the raw JSON
-of ``/v1/completions`` and ``/v1/chat/completions`` bodies before vLLM's pydantic models coerce
+of ``/v1/completions``, ``/v1/chat/completions`` (also through ``/invocations``) and
+``/inference/v1/generate`` bodies before vLLM's pydantic models coerce
 it (they turn ``true``, ``"5"`` and ``2.0`` into ints and a ``false`` in ``vllm_xargs`` into
 ``0``), and answers 400 with the field's name for a value of the wrong type or a field in the
 wrong place (vLLM ignores unknown top-level fields, and ``vllm_xargs`` passes anything on, so a
@@ -39,7 +40,12 @@ TOP_LEVEL = (PROMPT_START, FORMAT_FIELD, SESSION_FIELD, WEIGHTS_FLAG)
 IN_XARGS = (REQUEST_FLAG, OUTPUT_FLAG)
 """auxout's fields that go in ``vllm_xargs`` (vLLM's per-request ``extra_args``)."""
 _KNOWN = (*TOP_LEVEL, *IN_XARGS)
-_CHECKED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/chat/completions/batch")
+_CHECKED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/chat/completions/batch", "/invocations")
+"""APIs whose bodies carry auxout's fields as documented (``/invocations``: SageMaker's entry,
+which hands the body to the completions or chat API)."""
+_TOKENS_PATHS = ("/inference/v1/generate",)
+"""vLLM's token-in/token-out API (``--enable-scale-out``, ``--tokens-only``): its body is
+``{"token_ids", "sampling_params"}`` and its choices carry vLLM's own ``routed_experts``."""
 _NO_ROUTE_PATHS = ("/v1/responses", "/v1/messages")
 """Generation APIs whose responses have no place for routes: a route field sent there is a 400."""
 _CHAT_PATHS = (  # the APIs that render messages through the chat template
@@ -106,6 +112,51 @@ def _misspelt(fields: dict[Any, Any], where: str) -> tuple[str, str] | None:
     return None
 
 
+def tokens_api_problem(body: object) -> tuple[str, str] | None:
+    """``(field, message)`` for auxout's fields in a ``/inference/v1/generate`` body that would be
+    ignored or coerced there, else None. That API takes the prompt start and the flags inside
+    ``sampling_params`` (``extra_args`` for the flags) and answers with vLLM's own npy rows: the
+    wire format, sessions and routing weights are served by the completions and chat APIs."""
+    if not isinstance(body, dict):
+        return None
+    elsewhere = (
+        "/inference/v1/generate returns vLLM's own routed_experts rows; routes in another format, "
+        "sessions and routing weights are served on /v1/completions and /v1/chat/completions"
+    )
+    for name in body:
+        if not isinstance(name, str):
+            continue
+        if name in _KNOWN or misspelt_route_field(name, _KNOWN) is not None:
+            place = (
+                f"set sampling_params.{name}" if name == PROMPT_START
+                else f"set sampling_params.extra_args.{name}" if name in IN_XARGS
+                else elsewhere
+            )  # fmt: skip
+            return name, f"{name} is not read at the top level of a /inference/v1/generate body: {place}"
+    params = body.get("sampling_params")
+    if not isinstance(params, dict):
+        return None  # vLLM answers it
+    start = params.get(PROMPT_START)
+    if start is not None and (isinstance(start, bool) or not isinstance(start, int) or start < 0):
+        field = f"sampling_params.{PROMPT_START}"
+        return field, f"{field} must be a non-negative JSON integer, got {json.dumps(start)}"
+    extra = params.get("extra_args")
+    if not isinstance(extra, dict):
+        return None
+    where = "sampling_params.extra_args."
+    for name in extra:
+        if name in (FORMAT_FIELD, SESSION_FIELD, WEIGHTS_FLAG):
+            return where + name, f"{where}{name}: {elsewhere}"
+    misspelt = _misspelt(extra, where)
+    if misspelt is not None:
+        return misspelt
+    if REQUEST_FLAG in extra and not isinstance(extra[REQUEST_FLAG], bool):
+        return where + REQUEST_FLAG, f"{where}{REQUEST_FLAG} must be JSON true or false, got {json.dumps(extra[REQUEST_FLAG])}"
+    if OUTPUT_FLAG in extra and extra[OUTPUT_FLAG] not in ("inline", "keys"):
+        return where + OUTPUT_FLAG, f'{where}{OUTPUT_FLAG} must be "inline" or "keys", got {json.dumps(extra[OUTPUT_FLAG])}'
+    return None
+
+
 def no_routes_problem(path: str, body: object) -> tuple[str, str] | None:
     """``(field, message)`` when a body sent to an API without routes asks for them, else None.
 
@@ -165,7 +216,7 @@ class RouteFieldsCheck:
         if path in _CHAT_PATHS and _skips_tokenizer(scope):  # vLLM answers 500 (AssertionError)
             await _respond(send, 400, error_body(NO_TOKENIZER, "messages"))
             return
-        if path not in _CHECKED_PATHS and path not in _NO_ROUTE_PATHS:
+        if path not in _CHECKED_PATHS and path not in _NO_ROUTE_PATHS and path not in _TOKENS_PATHS:
             await self.app(scope, receive, send)
             return
         chunks: list[bytes] = []
@@ -188,7 +239,11 @@ class RouteFieldsCheck:
             scope["headers"] = [
                 (k, str(len(data)).encode() if k.lower() == b"content-length" else v) for k, v in scope["headers"]
             ]
-        problem = no_routes_problem(path, parsed) if path in _NO_ROUTE_PATHS else body_problem(parsed)
+        problem = (
+            no_routes_problem(path, parsed) if path in _NO_ROUTE_PATHS
+            else tokens_api_problem(parsed) if path in _TOKENS_PATHS
+            else body_problem(parsed)
+        )  # fmt: skip
         if problem is not None:
             field, text = problem
             await _respond(send, 400, error_body(text, field))

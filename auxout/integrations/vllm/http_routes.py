@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from auxout.integrations.vllm.completion_fields import completion_field
-from auxout.integrations.vllm.http_checks import FORMAT_FIELD, SESSION_FIELD
+from auxout.integrations.vllm.http_checks import FORMAT_FIELD, PROMPT_START, SESSION_FIELD, TOP_LEVEL
 from auxout.integrations.vllm.options import (
     MANIFEST_FIELD,
     OUTPUT_FLAG,
@@ -180,6 +180,15 @@ class RouteResponder:
         except _FieldError as exc:
             raise VLLMValidationError(str(exc), parameter=exc.field, value=extra_fields.get(exc.field)) from None
         params.extra_args = {**extra_args, _PARAMS_KEY: fields}
+        if not self.options.default_return and normalize_flag(extra_args.get(REQUEST_FLAG)) is None:
+            # a server that returns routes on request: a route field is that request
+            asked = (
+                any(extra_fields.get(name) is not None for name in TOP_LEVEL)
+                or PROMPT_START in (getattr(request, "model_fields_set", None) or ())
+                or extra_args.get(OUTPUT_FLAG) is not None
+            )
+            if asked:
+                params.extra_args[REQUEST_FLAG] = True
         if fields.get("weights"):  # the engine core sends this request's rows with their weights
             params.extra_args[WEIGHTS_FLAG] = True
         return params
