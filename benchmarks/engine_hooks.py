@@ -38,7 +38,8 @@ from typing import Any
 
 TIMES: dict[str, list[float]] = {}
 STARTS: dict[str, list[float]] = {}  # (mp: each call's start, to drop the warm-up's calls)
-ON_CALL: list[Any] = []  # (mp: what each timed call runs after it, in that process)
+ON_CALL: list[Any] = []  # (mp: what each outermost timed call runs after it, in that process)
+_DEPTH = [0]  # timed calls in progress (they nest: auxout's hooks run inside vLLM's phases)
 _OUT_ENV = "AUXOUT_ENGINE_HOOKS_OUT"  # mp: where each process writes its timings
 _SITE = """import os, sys
 if os.environ.get({env!r}):
@@ -54,13 +55,15 @@ def timed(cls: Any, name: str, label: str) -> None:
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        _DEPTH[0] += 1
         t0 = time.perf_counter()
         try:
             return func(*args, **kwargs)
         finally:
             TIMES.setdefault(label, []).append(time.perf_counter() - t0)
             STARTS.setdefault(label, []).append(t0)
-            if ON_CALL:
+            _DEPTH[0] -= 1
+            if ON_CALL and not _DEPTH[0]:  # (outside every timed call: a dump is nobody's time)
                 ON_CALL[0]()
 
     setattr(cls, name, wrapper)
