@@ -374,6 +374,7 @@ def test_a_server_off_by_default_returns_routes_to_a_request_that_sends_a_route_
     keys output) asks for routes; without one, or with an explicit opt-out, none come."""
     from vllm import SamplingParams
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.exceptions import VLLMValidationError
 
     from auxout.integrations.vllm.http_routes import RouteResponder
     from auxout.integrations.vllm.options import VllmOptions
@@ -381,7 +382,7 @@ def test_a_server_off_by_default_returns_routes_to_a_request_that_sends_a_route_
     responder = RouteResponder(VllmOptions(default_return=False, routing_weights=True))
 
     def flag(xargs: dict | None = None, **fields: object) -> object:
-        request = CompletionRequest(model="m", prompt=[1, 2, 3], max_tokens=2, **fields)
+        request = CompletionRequest(model="m", prompt=[1, 2, 3], max_tokens=2, vllm_xargs=xargs, **fields)
         params = responder.checked_params(request, SamplingParams(max_tokens=2, extra_args=dict(xargs or {})))
         return params.extra_args.get("return_routed_experts")
 
@@ -391,6 +392,11 @@ def test_a_server_off_by_default_returns_routes_to_a_request_that_sends_a_route_
         assert flag(**fields) is True, fields
     assert flag({"routed_experts_output": "inline"}) is True
     assert flag({"return_routed_experts": False}, routed_experts_format="packed") is False  # explicit opt-out wins
+    # beam search gives no beam its routes: refused for a request that asks for them, here by a session
+    responder.check_beam_search(CompletionRequest(model="m", prompt=[1], use_beam_search=True))
+    with pytest.raises(VLLMValidationError, match="use_beam_search"):
+        responder.check_beam_search(
+            CompletionRequest(model="m", prompt=[1], use_beam_search=True, routed_experts_session="s"))
     on = RouteResponder(VllmOptions())
     params = on.checked_params(CompletionRequest(model="m", prompt=[1], routed_experts_format="packed"), SamplingParams())
     assert "return_routed_experts" not in params.extra_args  # on by default: nothing to add

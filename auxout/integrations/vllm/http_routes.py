@@ -180,18 +180,25 @@ class RouteResponder:
         except _FieldError as exc:
             raise VLLMValidationError(str(exc), parameter=exc.field, value=extra_fields.get(exc.field)) from None
         params.extra_args = {**extra_args, _PARAMS_KEY: fields}
-        if not self.options.default_return and normalize_flag(extra_args.get(REQUEST_FLAG)) is None:
-            # a server that returns routes on request: a route field is that request
-            asked = (
-                any(extra_fields.get(name) is not None for name in TOP_LEVEL)
-                or PROMPT_START in (getattr(request, "model_fields_set", None) or ())
-                or extra_args.get(OUTPUT_FLAG) is not None
-            )
-            if asked:
-                params.extra_args[REQUEST_FLAG] = True
+        off = not self.options.default_return
+        if off and normalize_flag(extra_args.get(REQUEST_FLAG)) is None and self.wants_routes(request):
+            params.extra_args[REQUEST_FLAG] = True  # (the route field is the request's opt-in)
         if fields.get("weights"):  # the engine core sends this request's rows with their weights
             params.extra_args[WEIGHTS_FLAG] = True
         return params
+
+    def wants_routes(self, request: Any) -> bool:
+        """Whether a request without an explicit ``return_routed_experts`` gets routes: the server's
+        default, or on a server off by default, any route field it sends (a session, a format,
+        a prompt start, weights or keys output: that field is its request for routes)."""
+        if self.options.default_return:
+            return True
+        extra_fields = getattr(request, "model_extra", None) or {}
+        return (
+            any(extra_fields.get(name) is not None for name in TOP_LEVEL)
+            or PROMPT_START in (getattr(request, "model_fields_set", None) or ())
+            or (getattr(request, "vllm_xargs", None) or {}).get(OUTPUT_FLAG) is not None
+        )
 
     def check_beam_search(self, request: Any) -> None:
         """Beam search runs as many one-token engine requests whose routes no beam gets: a request
@@ -199,7 +206,7 @@ class RouteResponder:
         from vllm.exceptions import VLLMValidationError
 
         flag = normalize_flag((getattr(request, "vllm_xargs", None) or {}).get(REQUEST_FLAG))
-        if flag is False or (flag is None and not self.options.default_return):
+        if flag is False or (flag is None and not self.wants_routes(request)):
             return
         raise VLLMValidationError(
             "use_beam_search: routes are not returned for beam search (vLLM runs it as many one-token requests). "
