@@ -3,8 +3,8 @@
 A block hash identifies the whole prefix ending at that block (it is chained: tokens, cache
 salt and whatever else the engine hashes), so identical prefixes share keys, in every process
 whose engine derives hashes from the same seed. Hashes do not encode the model, so the
-namespace ends in a *route fingerprint* (model, route profile, hash block size, hash algorithm):
-two models or route shapes never share a key. Every key also carries the prefix-cache
+namespace ends in a *route fingerprint* (model, its weights, compute dtype, route profile, hash
+block size, hash algorithm): two models, two checkpoints or route shapes never share a key. Every key also carries the prefix-cache
 *generation*: after a reset (an RL weight update) old routes can never be served.
 """
 
@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -48,15 +50,27 @@ class PackedHashes:
 
 @dataclass(frozen=True, slots=True)
 class KeySpace:
-    """Turns block hashes into store keys: ``auxout/r3/<namespace>/g<generation>/<hex>``."""
+    """Turns block hashes into store keys: ``auxout/r3/<namespace>/g<generation>/<hex>``.
+
+    ``life``: a token of this engine's lifetime. Generation 0 holds the routes of the weights the
+    engine loaded (the fingerprint names them), so replicas and restarts share it. A later
+    generation follows weights updated in place, which another engine, or this engine's previous
+    life, counted the same way but may have updated differently: with a ``life`` its keys are
+    ``g<generation>-<life>``, never met by another lifetime.
+    """
 
     namespace: str = "local"
+    life: str = ""
 
     def __post_init__(self) -> None:
         if not self.namespace or any(c.isspace() for c in self.namespace) or ".." in self.namespace:
             raise ValueError(f"invalid key namespace {self.namespace!r}: non-empty, no spaces, no '..'")
+        if self.life and not self.life.isalnum():
+            raise ValueError(f"invalid key-space life {self.life!r}: letters and digits only")
 
     def prefix(self, generation: int) -> str:
+        if generation and self.life:
+            return f"{KEY_PREFIX}/{self.namespace}/g{generation}-{self.life}/"
         return f"{KEY_PREFIX}/{self.namespace}/g{generation}/"
 
     def keys(self, hashes: PackedHashes | Sequence[bytes], generation: int) -> list[str]:
@@ -213,15 +227,49 @@ def _bulk_keys(prefix: str, data: bytes, item_size: int) -> list[str]:
     return text.tobytes()[:-1].decode().split("\n")
 
 
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz")
+_SAMPLE = 1 << 16  # bytes read at the start, middle and end of each weight file
+
+
+def checkpoint_digest(path: str | os.PathLike[str]) -> str:
+    """Digest of the weights at a local checkpoint path ("" where the path is not local).
+
+    Routes depend on the weights, and RL jobs write each new checkpoint to the same path: the
+    model's name alone would hand a restarted engine the routes of the previous weights. Reads
+    each weight file's name and size and three 64 KiB samples (start, middle, end; a training
+    step changes every tensor), plus ``config.json``: milliseconds for any model size.
+    """
+    root = Path(path)
+    if root.is_file():
+        files = [root]
+    elif root.is_dir():
+        files = sorted(f for f in root.iterdir() if f.is_file() and (f.suffix in _WEIGHT_SUFFIXES or f.name == "config.json"))
+    else:
+        return ""
+    h = hashlib.sha256()
+    for f in files:
+        size = f.stat().st_size
+        h.update(f"{f.name}\0{size}\0".encode())
+        with f.open("rb") as fh:
+            for offset in sorted({0, max(size // 2 - _SAMPLE // 2, 0), max(size - _SAMPLE, 0)}):
+                fh.seek(offset)
+                h.update(fh.read(_SAMPLE))
+    return h.hexdigest()[:16]
+
+
 def route_fingerprint(
-    model: str, *, num_layers: int, top_k: int, num_experts: int, dtype: str, block_size: int, hash_algo: str
+    model: str, *, num_layers: int, top_k: int, num_experts: int, dtype: str, block_size: int, hash_algo: str,
+    weights: str = "",
 ) -> str:
     """Short stable digest of what makes route objects interchangeable across instances.
 
-    Same model name/path, route shape, hash block size and hash algorithm give the same
-    fingerprint in every process and after restarts; anything else gives another one.
+    Same model name/path, weights (``weights``: :func:`checkpoint_digest`, and the compute dtype
+    and quantization, which route differently too), route shape, hash block size and hash
+    algorithm give the same fingerprint in every process and after restarts; anything else
+    gives another one.
     """
     ident = {
+        "weights": weights,
         "model": model,
         "layers": num_layers,
         "top_k": top_k,
@@ -233,6 +281,6 @@ def route_fingerprint(
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def model_keyspace(namespace: str, fingerprint: str) -> KeySpace:
+def model_keyspace(namespace: str, fingerprint: str, life: str = "") -> KeySpace:
     """``<namespace>/m<fingerprint>``: the keyspace an engine publishes and reads under."""
-    return KeySpace(f"{namespace}/m{fingerprint}")
+    return KeySpace(f"{namespace}/m{fingerprint}", life)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -94,3 +95,42 @@ def test_a_next_turn_reuses_the_key_objects_of_the_previous_one() -> None:
     keys3 = chains.keys_batch([PackedHashes.pack(diverged)], 0)[0]
     assert keys3 == ks.keys(diverged, 0) and keys3[0] is keys1[0] and keys3[3] is not keys1[3]
     assert chains.keys_batch([PackedHashes.pack(turn2)], 1)[0] == ks.keys(turn2, 1), "a new generation derives anew"
+
+
+def test_checkpoint_digest_follows_the_weights_not_the_path(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Same files anywhere: same digest; one changed byte in a tensor, a dtype or a new shard:
+    another; not a local path (a hub id): empty, the caller keys by name and revision."""
+    from auxout.keys import checkpoint_digest
+
+    rng = np.random.default_rng(0)
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        d.mkdir()
+    weights = rng.integers(0, 256, 3 << 20, dtype=np.uint8)
+    for d in (a, b):
+        (d / "model.safetensors").write_bytes(weights.tobytes())
+        (d / "config.json").write_text('{"num_experts": 8}')
+        (d / "README.md").write_text(str(d))  # not weights: ignored
+    assert checkpoint_digest(a) == checkpoint_digest(b) != ""
+    weights[len(weights) // 2] ^= 1  # a training step changes every tensor; a middle sample sees this one
+    (b / "model.safetensors").write_bytes(weights.tobytes())
+    assert checkpoint_digest(b) != checkpoint_digest(a)
+    (b / "model.safetensors").write_bytes((a / "model.safetensors").read_bytes())
+    (b / "config.json").write_text('{"num_experts": 8, "torch_dtype": "bfloat16"}')
+    assert checkpoint_digest(b) != checkpoint_digest(a)
+    assert checkpoint_digest(a / "model.safetensors") not in ("", checkpoint_digest(a))  # one file (gguf)
+    assert checkpoint_digest("Qwen/Qwen3-30B-A3B") == "" and checkpoint_digest(tmp_path / "missing") == ""
+
+
+def test_generations_after_a_reset_belong_to_one_engine_lifetime() -> None:
+    """Generation 0 (the loaded weights, named by the fingerprint) is shared by every lifetime;
+    a later one (weights updated in place) is not: a restarted engine that counted its updates
+    the same way may hold other weights."""
+    h = [bytes(range(32))]
+    a, b, plain = KeySpace("ns/mfp", "life1"), KeySpace("ns/mfp", "life2"), KeySpace("ns/mfp")
+    assert a.keys(h, 0) == b.keys(h, 0) == plain.keys(h, 0)
+    assert len({tuple(a.keys(h, 1)), tuple(b.keys(h, 1)), tuple(plain.keys(h, 1))}) == 3
+    assert a.keys(h, 2)[0].startswith("auxout/r3/ns/mfp/g2-life1/")
+    assert a.keys_batch([PackedHashes.pack(h * 70)], 1)[0][0] == a.keys(h, 1)[0]  # bulk path too
+    with pytest.raises(ValueError, match="letters and digits"):
+        KeySpace("ns", "a/b")

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
-from auxout.integrations.vllm.options import CONFIG_KEY, VllmOptions
-from auxout.keys import KeySpace, model_keyspace, route_fingerprint
+from auxout.integrations.vllm.options import CONFIG_KEY, LIFE_KEY, VllmOptions
+from auxout.keys import KeySpace, checkpoint_digest, model_keyspace, route_fingerprint
 from auxout.profile import id_dtype_for
 
 SCHEDULER_CLS = "auxout.integrations.vllm.async_scheduler.AuxoutSchedulerSelector"
@@ -45,7 +46,8 @@ def engine_kwargs(**options: Any) -> dict[str, Any]:
     return {
         "scheduler_cls": SCHEDULER_CLS,
         "worker_cls": default_worker_cls(),
-        "additional_config": {CONFIG_KEY: opts.to_dict()},
+        # one token per engine lifetime: routes of weights updated in place stay its own (KeySpace)
+        "additional_config": {CONFIG_KEY: opts.to_dict(), LIFE_KEY: uuid.uuid4().hex[:12]},
         # async_scheduling is left to vLLM: the scheduler class follows the final setting.
     }
 
@@ -53,10 +55,12 @@ def engine_kwargs(**options: Any) -> dict[str, Any]:
 def route_keyspace(vllm_config: Any, opts: VllmOptions, hash_block: int) -> KeySpace:
     """The keyspace both the scheduler and the worker use: ``<namespace>/m<fingerprint>``.
 
-    The fingerprint covers the model (name or path), the route shape (decoder layers, top-k,
-    experts, id dtype), the hash block size and the prefix-cache hash algorithm, so two models
-    or route profiles never share a key, while the same model on any instance, after a restart
-    or on both sides of a P/D split, always does (given block hashes from the same seed).
+    The fingerprint covers the model (name or path), its weights (a digest of a local
+    checkpoint's files, else the revision), the compute dtype and quantization, the route shape
+    (decoder layers, top-k, experts, id dtype), the hash block size and the prefix-cache hash
+    algorithm, so two models, two checkpoints at one path or route profiles never share a key,
+    while the same model on any instance, after a restart or on both sides of a P/D split, always
+    does (given block hashes from the same seed).
     """
     mc = vllm_config.model_config
     experts = int(mc.get_num_experts())
@@ -69,7 +73,12 @@ def route_keyspace(vllm_config: Any, opts: VllmOptions, hash_block: int) -> KeyS
         dtype=id_dtype_for(experts).name + ("+w:float32" if opts.routing_weights else ""),
         block_size=hash_block,
         hash_algo=str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256")),
+        # the same path may hold a new checkpoint after a restart; bf16 and fp32 route differently
+        weights="|".join(
+            [checkpoint_digest(str(mc.model)), *(str(getattr(mc, k, None)) for k in ("revision", "dtype", "quantization"))]
+        ),
     )
     from auxout.integrations.vllm.topology import dp_keyspace
 
-    return model_keyspace(dp_keyspace(opts.namespace, vllm_config.parallel_config).namespace, fp)
+    life = str((getattr(vllm_config, "additional_config", None) or {}).get(LIFE_KEY, ""))
+    return model_keyspace(dp_keyspace(opts.namespace, vllm_config.parallel_config).namespace, fp, life)

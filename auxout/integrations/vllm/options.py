@@ -17,6 +17,8 @@ from typing import Any
 
 CONFIG_KEY = "auxout"
 ENV_VAR = "AUXOUT_VLLM_OPTIONS"
+LIFE_KEY = "auxout_life"
+"""``additional_config`` key of the engine's lifetime token (``KeySpace.life``), set by ``engine_kwargs``."""
 REQUEST_FLAG = "return_routed_experts"
 """``SamplingParams.extra_args`` key that opts one request in or out of returned routes."""
 OUTPUT_FLAG = "routed_experts_output"

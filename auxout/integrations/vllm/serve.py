@@ -26,7 +26,7 @@ from typing import Any
 
 from auxout.integrations.vllm.config import engine_kwargs
 from auxout.integrations.vllm.http_checks import MIDDLEWARE
-from auxout.integrations.vllm.options import CONFIG_KEY, ENV_VAR, VllmOptions
+from auxout.integrations.vllm.options import CONFIG_KEY, ENV_VAR, LIFE_KEY, VllmOptions
 
 
 class ServeArgumentError(ValueError):
@@ -194,7 +194,8 @@ def _split(argv: Sequence[str], env: str | None) -> tuple[list[str], argparse.Na
     kw = engine_kwargs(**opts.to_dict())
     if rest and not rest[0].startswith("-"):
         rest = ["--model", rest[0], *rest[1:]]
-    extra = {**(user_config or {}), CONFIG_KEY: kw["additional_config"][CONFIG_KEY]}
+    extra = {**(user_config or {}), CONFIG_KEY: kw["additional_config"][CONFIG_KEY],
+             LIFE_KEY: kw["additional_config"][LIFE_KEY]}  # fmt: skip
     vargs = [
         *rest,
         "--scheduler-cls", kw["scheduler_cls"],
