@@ -78,15 +78,29 @@ class ReadThroughStore:
             parts[i] = blob[j * n : (j + 1) * n]
 
     def _open_readers(self) -> list[BlockStore]:
-        from auxout.manifest import open_store
+        opened = (_reader(self._readers, address, self.object_nbytes) for address in self.read_from)
+        return [r for r in opened if r is not None]
 
-        for address in self.read_from:
-            if address not in self._readers:
-                try:
-                    self._readers[address] = open_store(address, object_nbytes=self.object_nbytes)
-                except (OSError, ValueError, BlockStoreError):
-                    continue  # not there yet (the peer starts later): try again on the next read
-        return list(self._readers.values())
+
+def _reader(readers: dict[str, BlockStore], address: str, object_nbytes: int) -> BlockStore | None:
+    """The open reader of a peer's store, reopened when the peer replaced it (a restarted engine
+    creates its segment anew under the same name); None while it cannot be opened (the peer
+    starts later, or is restarting: tried again on the next read)."""
+    from auxout.manifest import open_store
+
+    reader = readers.get(address)
+    replaced = getattr(reader, "replaced", None)
+    if reader is not None and replaced is not None and replaced():
+        with contextlib.suppress(BlockStoreError):
+            reader.close()
+        del readers[address]
+        reader = None
+    if reader is None:
+        try:
+            reader = readers[address] = open_store(address, object_nbytes=object_nbytes)
+        except (OSError, ValueError, BlockStoreError):
+            return None
+    return reader
 
 
 def peers_contains(read_from: Sequence[str]) -> Callable[[Sequence[str]], list[bool]]:
@@ -94,19 +108,15 @@ def peers_contains(read_from: Sequence[str]) -> Callable[[Sequence[str]], list[b
     readers: dict[str, BlockStore] = {}
 
     def contains(keys: Sequence[str]) -> list[bool]:
-        from auxout.manifest import open_store
-
         found = [False] * len(keys)
         for address in read_from:
-            if address not in readers:
-                try:
-                    readers[address] = open_store(address, object_nbytes=1)  # contains reads no payload
-                except (OSError, ValueError, BlockStoreError):
-                    continue
+            reader = _reader(readers, address, 1)  # (contains reads no payload)
+            if reader is None:
+                continue
             rest = [i for i, ok in enumerate(found) if not ok]
             if not rest:
                 break
-            for i, ok in zip(rest, readers[address].contains([keys[i] for i in rest])):
+            for i, ok in zip(rest, reader.contains([keys[i] for i in rest])):
                 found[i] = ok
         return found
 

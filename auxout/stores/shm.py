@@ -19,8 +19,9 @@ on weakly ordered CPUs this store needs explicit fences and is not supported.
 Readers do not touch the owner's LRU (their mapping is read-only). Segments are named
 ``auxout-<owner pid>-<random>``; ``sweep_stale()`` (also run by every owner constructor) unlinks
 segments whose owner is dead (or whose pid was reused, detected by the process start time),
-which is what is left behind after a SIGKILL (a custom ``name`` outside that pattern is never
-swept). Linux only.
+which is what is left behind after a SIGKILL; a custom ``name`` outside that pattern is never
+swept, but an owner created under it takes it over from a dead owner, and readers
+(``replaced()``, used by ``ReadThroughStore``) map the new segment. Linux only.
 """
 
 from __future__ import annotations
@@ -94,6 +95,20 @@ def _layout(num_slots: int, object_nbytes: int) -> tuple[int, int, int, int, int
     return seq_off, dig_off, len_off, data_off, total
 
 
+def _header_owner(path: str) -> tuple[int, int] | None:
+    """``(pid, process start time)`` an auxout segment's header records; None if not one."""
+    with open(path, "rb") as f:
+        head = np.frombuffer(f.read(64), dtype=np.uint64)
+    if head.size < 5 or head[_H_MAGIC] != _MAGIC:
+        return None
+    return int(head[_H_PID]), int(head[_H_START])
+
+
+def _owner_gone(pid: int, start: int) -> bool:
+    """Whether the process that created a segment is dead (or its pid now names another process)."""
+    return not _pid_alive(pid) or (start != 0 and start != _proc_start_time(pid))
+
+
 def sweep_stale(shm_dir: str = SHM_DIR) -> list[str]:
     """Unlink ``auxout-<pid>-*`` segments whose owner process is gone; returns the names removed.
 
@@ -114,13 +129,10 @@ def sweep_stale(shm_dir: str = SHM_DIR) -> list[str]:
         stale = not _pid_alive(pid)
         if not stale:
             try:
-                with open(path, "rb") as f:
-                    head = np.frombuffer(f.read(64), dtype=np.uint64)
-                if head.size >= 5 and head[_H_MAGIC] == _MAGIC and int(head[_H_PID]) == pid:
-                    recorded = int(head[_H_START])
-                    stale = recorded != 0 and recorded != _proc_start_time(pid)
+                owner = _header_owner(path)
             except OSError:
                 continue
+            stale = owner is not None and owner[0] == pid and _owner_gone(*owner)
         if stale:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
@@ -190,7 +202,9 @@ class SharedMemoryStore:
         self.num_slots = max_bytes // object_nbytes
         self.readonly = False
         self._path = os.path.join(SHM_DIR, name)
+        self._ino = 0  # (readers: the inode they mapped, see replaced())
         total = _layout(self.num_slots, object_nbytes)[4]
+        self._take_over_stale(self._path)
         fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.fchmod(fd, 0o600)  # umask cannot widen it, but be explicit
@@ -216,6 +230,26 @@ class SharedMemoryStore:
         self._sorted_lo = np.empty(0, dtype=np.uint64)
         self._order = np.empty(0, dtype=np.int64)
 
+    @staticmethod
+    def _take_over_stale(path: str) -> None:
+        """A fixed name (``shm_name``: P/D peers name it in ``read_from``) left by an owner that
+        died (SIGKILL skips the unlink) is removed, so a restarted engine can create it again; one
+        whose owner is alive, or a file that is not an auxout segment, is an error naming it."""
+        try:
+            owner = _header_owner(path)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise BlockStoreError(f"shared-memory store {path!r} exists and cannot be read: {exc}") from exc
+        if owner is None:
+            raise BlockStoreError(f"{path!r} exists and is not an auxout route store: choose another shm_name")
+        if not _owner_gone(*owner):
+            raise BlockStoreError(
+                f"shared-memory store {path!r} is in use by process {owner[0]} (another engine with the same "
+                "shm_name?): give each engine its own shm_name"
+            )
+        _unlink_quietly(path)
+
     @classmethod
     def open(cls, name: str) -> SharedMemoryStore:
         """Map an existing segment read-only (another process of the same user)."""
@@ -227,7 +261,8 @@ class SharedMemoryStore:
         except FileNotFoundError as exc:
             raise BlockStoreError(f"shared-memory route store {name!r} does not exist (owner closed or gone)") from exc
         try:
-            size = os.fstat(fd).st_size
+            stat = os.fstat(fd)
+            size = stat.st_size
             if size < _HEADER:
                 raise BlockStoreError(f"shared-memory segment {name!r} is not an auxout store (size {size})")
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
@@ -242,12 +277,26 @@ class SharedMemoryStore:
         self.name, self.object_nbytes, self.num_slots, self.readonly = name, obj, slots, True
         self._slots = SlotIndex(0, "shared-memory route store reader")
         self._path = path
+        self._ino = stat.st_ino
         self._map = _Mapping(mm, slots, obj, writable=False)
         self._lock = threading.Lock()
         self._index_gen = -1
         self._sorted_lo = np.empty(0, dtype=np.uint64)
         self._order = np.empty(0, dtype=np.int64)
         return self
+
+    def replaced(self) -> bool:
+        """Reader: whether the segment mapped here is gone (closed, or unlinked; a restarted owner
+        may have created another under the same name). An owner's store is never replaced."""
+        m = self._map
+        if not self.readonly:
+            return False
+        if m is None or m.header[_H_CLOSED]:
+            return True
+        try:
+            return os.stat(self._path).st_ino != self._ino
+        except FileNotFoundError:
+            return True
 
     @property
     def address(self) -> str:

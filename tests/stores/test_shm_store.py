@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import signal
@@ -209,3 +210,54 @@ def test_many_readers_and_writes_use_bounded_time() -> None:
         assert r.get_concatenated(keys[::-1]) == b"".join(_payload(k, 64) for k in keys[::-1])
         assert time.perf_counter() - t < 2.0
         r.close()
+
+
+def test_fixed_name_survives_a_sigkilled_owner_and_its_readers_follow_the_new_segment() -> None:
+    """P/D peers name the prefill's segment (``shm_name``, ``read_from``): after a SIGKILL its
+    restart must create the segment again, and the decode side must read the new one, not keep
+    the deleted mapping (found by a probe: startup failed with FileExistsError, and after a manual
+    unlink every later KV hit recomputed)."""
+    from auxout.errors import BlockStoreError
+    from auxout.stores import make_store
+
+    name = f"auxout-fixed-{os.getpid()}-prefill"
+    code = f"""
+        import sys, time
+        from auxout.stores.shm import SharedMemoryStore
+        s = SharedMemoryStore(8 * {ONB}, {ONB}, name={name!r})
+        s.put([(sys.argv[1], b"1" * {ONB})])
+        print(s.name, flush=True)
+        time.sleep(60)
+    """
+    decode = make_store("shm", max_bytes=8 * ONB, object_nbytes=ONB, background=False, read_from=[f"shm://{name}"])
+    first = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), "old"], stdout=subprocess.PIPE, text=True)
+    second = None
+    try:
+        assert first.stdout is not None and first.stdout.readline().strip() == name
+        with pytest.raises(BlockStoreError, match=f"in use by process {first.pid}"):
+            SharedMemoryStore(8 * ONB, ONB, name=name)  # a live owner keeps its name
+        assert decode.contains(["old", "new"]) == [True, False]
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait(timeout=10)
+        assert os.path.exists(os.path.join(SHM_DIR, name)), "SIGKILL leaves the segment behind"
+        second = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), "new"], stdout=subprocess.PIPE, text=True)
+        assert second.stdout is not None and second.stdout.readline().strip() == name  # restarted under its name
+        assert decode.contains(["old", "new"]) == [False, True]  # the new segment, not the deleted one
+        assert decode.get_concatenated(["new"]) == b"1" * ONB
+    finally:
+        for child in (first, second):
+            if child is not None and child.poll() is None:
+                child.kill()
+                child.wait(timeout=10)
+        decode.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(SHM_DIR, name))
+    foreign = os.path.join(SHM_DIR, name)
+    with open(foreign, "wb") as f:
+        f.write(b"not a store" * 1000)
+    try:
+        with pytest.raises(BlockStoreError, match="not an auxout route store"):
+            SharedMemoryStore(8 * ONB, ONB, name=name)
+        assert os.path.exists(foreign)  # never removed
+    finally:
+        os.unlink(foreign)
