@@ -26,9 +26,14 @@ def model_path() -> str:
 
 
 @pytest.fixture(scope="module")
-def redis_url():  # type: ignore[no-untyped-def]
+def redis():  # type: ignore[no-untyped-def]
     with redis_server() as srv:
-        yield srv.url
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def redis_url(redis) -> str:  # type: ignore[no-untyped-def]
+    return str(redis.url)
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +116,25 @@ def test_each_of_n_completions_fetches_its_own_routes(llm, model_path):  # type:
     assert len(keys) == len({tuple(c.token_ids) for c in out.outputs})
     (one,) = llm.generate([{"prompt_token_ids": prompt}], greedy(4), use_tqdm=False)  # n=1: both places
     assert one.outputs[0].auxout_routes_manifest == manifest_of(one).to_dict()
+
+
+def test_store_down_each_completion_gets_exact_rows_inline_and_says_why(llm, model_path, redis):  # type: ignore[no-untyped-def]
+    """(Last in this module: it kills the store.) A manifest that cannot be published comes back
+    as the exact rows inline, with the reason on each completion (n > 1 included); once the store
+    is back, manifests again."""
+    from vllm import SamplingParams
+
+    oracle = Oracle(model_path)
+    prompt = random_prompt(np.random.default_rng(52), 45)
+    redis.kill()
+    params = SamplingParams(n=2, max_tokens=6, temperature=1.0, seed=4, detokenize=False)
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    for c in out.outputs:
+        assert getattr(c, "auxout_routes_manifest", None) is None
+        assert "auxout_routes_inline_reason" in vars(c) and c.auxout_routes_inline_reason, vars(c).keys()
+        oracle.check(prompt, c)
+    redis.restart()
+    (back,) = llm.generate([{"prompt_token_ids": prompt}], greedy(3), use_tqdm=False)
+    tokens = prompt + list(back.outputs[0].token_ids)
+    got = fetch(manifest_of(back))
+    assert (np.sort(got, axis=-1) == np.sort(oracle.routes(tokens)[: len(tokens) - 1], axis=-1)).all()

@@ -264,7 +264,14 @@ def test_keys_only_over_http_returns_a_manifest(server, oracle):
     choices = server.post("/v1/completions", json=sampled).json()["choices"]
     assert len({tuple(c["token_ids"]) for c in choices}) > 1  # sampled apart: a shared manifest would show
     for c in choices:
+        assert c["routed_experts_start"] == 0  # every choice states where its routes start
         check(oracle, prompt + c["token_ids"], fetch(RouteManifest.from_dict(c["routed_experts_manifest"])), 0)
+    started = server.post("/v1/completions", json={**sampled, "n": 1, "routed_experts_prompt_start": 7}).json()
+    c = started["choices"][0]
+    assert c["routed_experts_start"] == 7
+    check(oracle, prompt + c["token_ids"], fetch(RouteManifest.from_dict(c["routed_experts_manifest"])), 7)
+    events = sse(server, "/v1/completions", {**sampled, "n": 1, "routed_experts_prompt_start": 7})
+    assert [c["routed_experts_start"] for e in events for c in e["choices"] if c.get("finish_reason")] == [7]
     events = sse(server, "/v1/completions", sampled)
     finals = {c["index"]: c for e in events for c in e["choices"] if c.get("finish_reason")}
     assert sorted(finals) == [0, 1, 2]

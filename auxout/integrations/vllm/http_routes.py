@@ -36,6 +36,7 @@ import numpy as np
 from auxout.integrations.vllm.completion_fields import completion_field
 from auxout.integrations.vllm.http_checks import FORMAT_FIELD, PROMPT_START, SESSION_FIELD, TOP_LEVEL
 from auxout.integrations.vllm.options import (
+    INLINE_REASON_FIELD,
     MANIFEST_FIELD,
     OUTPUT_FLAG,
     REQUEST_FLAG,
@@ -54,6 +55,7 @@ logger = logging.getLogger("auxout.vllm")
 
 WEIGHTS_FIELD = WEIGHTS_FLAG
 START_FIELD = "routed_experts_start"
+INLINE_REASON_OUT_FIELD = "routed_experts_inline_reason"
 MANIFEST_OUT_FIELD = "routed_experts_manifest"
 _PARAMS_KEY = "auxout_http"
 """``SamplingParams.extra_args`` key carrying the checked HTTP fields from the request to ``generate``."""
@@ -256,6 +258,7 @@ class RouteResponder:
                 fields.update(encode(weights, fmt, name=WEIGHTS_OUTPUT))
         if manifest is not None:
             fields[MANIFEST_OUT_FIELD] = manifest
+            fields.setdefault(START_FIELD, start)  # (every choice states where its routes start)
         return fields
 
     def decorate_choices(self, response: Any, request: Any, found: dict[int, tuple[Any, Any]]) -> Any:
@@ -273,6 +276,9 @@ class RouteResponder:
             if rows is not None and weights is not None:
                 rows = join_rows(rows, weights)
             fields = self.route_fields(rows, getattr(res, "auxout_route_start", 0), fmt, manifest)
+            reason = completion_field(output, res, INLINE_REASON_FIELD)
+            if reason is not None:  # keys-only asked, rows inline: why (per choice, also with n > 1)
+                fields[INLINE_REASON_OUT_FIELD] = reason
             for key, value in fields.items():
                 setattr(choice, key, value)
         return response
@@ -308,7 +314,7 @@ class RouteResponder:
                 taken = tracker.take(finished)
                 manifest = tracker.manifest if finished else None
                 if taken is not None or manifest is not None:
-                    first, rows = taken if taken is not None else (0, None)
+                    first, rows = taken if taken is not None else (tracker.start, None)
                     choice.update(self.route_fields(rows, first, fmt, manifest))
                     changed = True
             yield f"data: {json.dumps(data, separators=(',', ':'))}\n\n" if changed else line
