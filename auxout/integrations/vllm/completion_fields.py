@@ -41,11 +41,14 @@ def install_completion_fields() -> None:
     new_completion = RequestState._new_completion_output
 
     def make_request_output(self: Any, *args: Any, **kwargs: Any) -> Any:
-        in_kwargs = "kv_transfer_params" in kwargs
-        params = kwargs["kv_transfer_params"] if in_kwargs else (args[_KV_PARAMS_ARG] if len(args) > _KV_PARAMS_ARG else None)
-        fields = {k: params[k] for k in COMPLETION_FIELDS if k in params} if params else None
-        if not fields or params is None:
+        # (every live request, every step: the usual None passes straight through)
+        params = args[_KV_PARAMS_ARG] if len(args) > _KV_PARAMS_ARG else kwargs.get("kv_transfer_params")
+        if not params:
             return make_output(self, *args, **kwargs)
+        fields = {k: params[k] for k in COMPLETION_FIELDS if k in params}
+        if not fields:
+            return make_output(self, *args, **kwargs)
+        in_kwargs = "kv_transfer_params" in kwargs
         if self.parent_req is not None:  # n > 1: the request-level copy would name one completion
             rest = {k: v for k, v in params.items() if k not in fields} or None
             if in_kwargs:
