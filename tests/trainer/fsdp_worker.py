@@ -61,6 +61,7 @@ def run(rank: int, world: int, port: int, out_dir: str) -> None:
 
             with open(os.path.join(out_dir, f"fsdp_rank{rank}.pkl"), "wb") as f:
                 pickle.dump({k: {"loss": v["loss"]} for k, v in results.items()}, f)
+        dist.barrier()  # both ranks done before either tears gloo down (else, at times, an abort at exit)
     finally:
         dist.destroy_process_group()
 
