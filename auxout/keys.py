@@ -4,8 +4,9 @@ A block hash identifies the whole prefix ending at that block (it is chained: to
 salt and whatever else the engine hashes), so identical prefixes share keys, in every process
 whose engine derives hashes from the same seed. Hashes do not encode the model, so the
 namespace ends in a *route fingerprint* (model, its weights, compute dtype, route profile, hash
-block size, hash algorithm): two models, two checkpoints or route shapes never share a key. Every key also carries the prefix-cache
-*generation*: after a reset (an RL weight update) old routes can never be served.
+block size, hash algorithm): two models, two checkpoints or route shapes never share a key. Every
+key also carries the prefix-cache *generation*: after a reset (an RL weight update) old routes
+can never be served.
 """
 
 from __future__ import annotations

@@ -54,10 +54,11 @@ def check_cpu_config(vllm_config: Any) -> None:
     """Refuse, with the reason, a configuration whose routes vLLM-CPU cannot serve.
 
     Runs before the model loads. Data parallelism with an MoE model would fail inside vLLM-CPU at
-    the first request (found by a probe: the server died on it). Without an AMX unit vLLM-CPU turns prefix caching off for MLA
-    (the plain "needs prefix caching" check would then point the wrong way); with one it keeps
-    prefix caching and picks its AMX backend, which fails inside a kernel on any model but a
-    bfloat16 DeepSeek-shaped one ("invalid weight input features 16" for the tiny model).
+    the first request (found by a probe: the server died on it). Without an AMX unit vLLM-CPU
+    turns prefix caching off for MLA (the plain "needs prefix caching" check would then point the
+    wrong way); with one it keeps prefix caching and picks its AMX backend, which fails inside a
+    kernel on any model but a bfloat16 DeepSeek-shaped one ("invalid weight input features 16"
+    for the tiny model).
     """
     model = vllm_config.model_config
     dp = int(getattr(getattr(vllm_config, "parallel_config", None), "data_parallel_size", 1) or 1)

@@ -88,16 +88,18 @@ def body_problem(body: object) -> tuple[str, str] | None:
                 f"{name} is a top-level field of the request body, not a vllm_xargs entry: "
                 f'send {{"{name}": {json.dumps(xargs[name])}, ...}}'
             )
-    if REQUEST_FLAG in xargs and not isinstance(xargs[REQUEST_FLAG], bool):
-        return (
-            f"vllm_xargs.{REQUEST_FLAG}",
-            f"vllm_xargs.{REQUEST_FLAG} must be JSON true or false, got {json.dumps(xargs[REQUEST_FLAG])}",
-        )
-    if OUTPUT_FLAG in xargs and xargs[OUTPUT_FLAG] not in ("inline", "keys"):
-        return (
-            f"vllm_xargs.{OUTPUT_FLAG}",
-            f'vllm_xargs.{OUTPUT_FLAG} must be "inline" or "keys", got {json.dumps(xargs[OUTPUT_FLAG])}',
-        )
+    return _flag_problem(xargs, "vllm_xargs.")
+
+
+def _flag_problem(extra: dict[Any, Any], where: str) -> tuple[str, str] | None:
+    """A wrong JSON value for auxout's per-request flags in ``extra`` (``vllm_xargs`` or, on the
+    token-in/token-out API, ``sampling_params.extra_args``), named with its place ``where``."""
+    if REQUEST_FLAG in extra and not isinstance(extra[REQUEST_FLAG], bool):
+        field = where + REQUEST_FLAG
+        return field, f"{field} must be JSON true or false, got {json.dumps(extra[REQUEST_FLAG])}"
+    if OUTPUT_FLAG in extra and extra[OUTPUT_FLAG] not in ("inline", "keys"):
+        field = where + OUTPUT_FLAG
+        return field, f'{field} must be "inline" or "keys", got {json.dumps(extra[OUTPUT_FLAG])}'
     return None
 
 
@@ -150,11 +152,7 @@ def tokens_api_problem(body: object) -> tuple[str, str] | None:
     misspelt = _misspelt(extra, where)
     if misspelt is not None:
         return misspelt
-    if REQUEST_FLAG in extra and not isinstance(extra[REQUEST_FLAG], bool):
-        return where + REQUEST_FLAG, f"{where}{REQUEST_FLAG} must be JSON true or false, got {json.dumps(extra[REQUEST_FLAG])}"
-    if OUTPUT_FLAG in extra and extra[OUTPUT_FLAG] not in ("inline", "keys"):
-        return where + OUTPUT_FLAG, f'{where}{OUTPUT_FLAG} must be "inline" or "keys", got {json.dumps(extra[OUTPUT_FLAG])}'
-    return None
+    return _flag_problem(extra, where)
 
 
 def no_routes_problem(path: str, body: object) -> tuple[str, str] | None:
