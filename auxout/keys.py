@@ -53,23 +53,31 @@ class PackedHashes:
 class KeySpace:
     """Turns block hashes into store keys: ``auxout/r3/<namespace>/g<generation>/<hex>``.
 
-    ``life``: a token of this engine's lifetime. Generation 0 holds the routes of the weights the
-    engine loaded (the fingerprint names them), so replicas and restarts share it. A later
-    generation follows weights updated in place, which another engine, or this engine's previous
-    life, counted the same way but may have updated differently: with a ``life`` its keys are
-    ``g<generation>-<life>``, never met by another lifetime.
+    Generation 0 holds the routes of the weights the engine loaded (the fingerprint names them),
+    so replicas and restarts share it. A later generation follows weights updated in place:
+    - ``weights``, a digest of the weights themselves (the vLLM worker samples every parameter
+      when a generation starts), names it ``w<weights>``: every engine holding those weights, a
+      P/D peer, a replica or a restarted engine, shares its routes, and no other weights do;
+    - else ``life``, a token of this engine's lifetime, names it ``g<generation>-<life>``: another
+      engine, or this engine's previous life, that counted its updates the same way but may
+      have updated differently never meets it (nothing is shared: peers recompute).
     """
 
     namespace: str = "local"
     life: str = ""
+    weights: str = ""
 
     def __post_init__(self) -> None:
         if not self.namespace or any(c.isspace() for c in self.namespace) or ".." in self.namespace:
             raise ValueError(f"invalid key namespace {self.namespace!r}: non-empty, no spaces, no '..'")
         if self.life and not self.life.isalnum():
             raise ValueError(f"invalid key-space life {self.life!r}: letters and digits only")
+        if self.weights and not self.weights.isalnum():
+            raise ValueError(f"invalid key-space weights digest {self.weights!r}: letters and digits only")
 
     def prefix(self, generation: int) -> str:
+        if generation and self.weights:
+            return f"{KEY_PREFIX}/{self.namespace}/w{self.weights}/"
         if generation and self.life:
             return f"{KEY_PREFIX}/{self.namespace}/g{generation}-{self.life}/"
         return f"{KEY_PREFIX}/{self.namespace}/g{generation}/"

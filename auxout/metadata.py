@@ -72,6 +72,9 @@ class StepOutput:
     # the step without numpy (``SchedulerConnector.take_step``), and the step's wire form sends
     # the token starts alone (``lo``/``hi`` are rebuilt as ``arange``)
     one_row_starts: list[int] | None = None
+    # ``(generation, weights digest)`` on the first output after the worker named a generation
+    # by the weights it runs (``KeySpace.weights``): the scheduler keys that generation the same way
+    life: tuple[int, str] | None = None
     _spans: dict[str, tuple[int, int, int]] | None = None
 
     def span_map(self) -> dict[str, tuple[int, int, int]]:
@@ -133,13 +136,13 @@ class StepOutput:
         data = rows.tobytes() if rows.nbytes < _RAW_ROWS_BELOW else rows
         return (
             self.req_ids, cols, dtype.str if dtype.isbuiltin else dtype, rows.shape, data, self.errors,
-            self.published, self.lost, heads, one_row,
+            self.published, self.lost, heads, one_row, self.life,
         )  # fmt: skip
 
     def __setstate__(self, state: tuple) -> None:
         (
             self.req_ids, cols, dtype, shape, rows, self.errors, self.published, self.lost, self.heads,
-            self.one_row_starts,
+            self.one_row_starts, self.life,
         ) = state  # fmt: skip
         if cols is not None:
             n = len(self.req_ids)

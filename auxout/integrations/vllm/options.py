@@ -41,6 +41,13 @@ SHARED_STORES = ("redis", "mooncake")
 """Stores the scheduler process can reach too: keys-only output needs one."""
 
 
+def shares_routes(opts: VllmOptions) -> bool:
+    """Whether other engines read this engine's routes (P/D peers, replicas, restarts): then a
+    generation after a reset is keyed by a digest of the weights (``KeySpace.weights``), so every
+    engine running those weights shares it."""
+    return opts.store in SHARED_STORES or opts.store == "shm"
+
+
 def misspelt_route_field(name: str, known: Sequence[str], where: Mapping[str, str] | None = None) -> str | None:
     """What to say about ``name``, a field named like auxout's that is none of ``known`` (a typo
     vLLM would silently ignore); None when it is known or not named like a route field.

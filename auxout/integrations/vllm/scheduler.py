@@ -40,6 +40,7 @@ from auxout.integrations.vllm.options import (
     VllmOptions,
     normalize_flag,
     options_from_vllm_config,
+    shares_routes,
 )
 from auxout.keys import KeySpace
 from auxout.keys_output import KeysPublisher
@@ -312,6 +313,7 @@ class AuxoutScheduler(Scheduler):
                 block_size=hash_block,
                 remote_contains=make_remote_contains(opts, client),
                 index_capacity=max(1 << 16, 4 * kv_blocks),
+                weights_from_worker=shares_routes(opts),
             )
         )
         self.aux_output_connector = self.auxout  # type: ignore[assignment]  # vLLM calls it at every hook

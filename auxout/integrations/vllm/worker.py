@@ -24,8 +24,8 @@ from vllm.v1.worker.gpu_worker import Worker
 
 from auxout.integrations.vllm.async_output import RoutedAsyncOutput
 from auxout.integrations.vllm.capture import RouteCapture, bind_capture
-from auxout.integrations.vllm.config import route_keyspace
-from auxout.integrations.vllm.options import options_from_vllm_config
+from auxout.integrations.vllm.config import route_keyspace, weights_digest
+from auxout.integrations.vllm.options import options_from_vllm_config, shares_routes
 from auxout.integrations.vllm.topology import RankRole, current_role, install_pipeline_rows
 from auxout.stores import make_store
 from auxout.worker_connector import PendingStep, WorkerConnector
@@ -118,6 +118,8 @@ class AuxoutWorkerMixin:
             # async scheduling: the next step is prepared before this one's output resolves
             max_concurrent_batches=2 if sched.async_scheduling else 1,
             keyspace=route_keyspace(self.vllm_config, opts, hash_block),
+            # routes others read: a generation after a reset is named by the weights (read then)
+            weights_digest=(lambda: weights_digest(self.model_runner.get_model())) if shares_routes(opts) else None,
         )
         logger.info(
             "auxout: routes %s x %s, hash block %d, store %s with %d bytes",
