@@ -15,6 +15,9 @@ Semantics a client relies on:
   restart, simply starts at 0 again (the full history): nothing is ever silently missing;
 - the session advances only when a request finishes with routes (errors, aborts and
   disconnected streams leave it where it was);
+- a session is one sequential conversation: the client holds what every earlier response of
+  it carried, so concurrent requests on one session (branches, a retry racing the first try)
+  may be answered from rows only the other response carried: branches need their own ids;
 - sessions belong to one API-server process: with several (``--api-server-count``), send a
   session's turns to the same one, or use ``routed_experts_prompt_start``.
 """

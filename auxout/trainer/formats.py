@@ -195,6 +195,8 @@ def expand_layers(routes: Any, moe_to_hidden: Sequence[int], num_hidden_layers: 
     idx = np.asarray(moe_to_hidden, dtype=np.int64)
     if len(idx) != r.shape[1]:
         raise RouteTraceError(f"routes have {r.shape[1]} MoE layers, moe_to_hidden lists {len(idx)}")
+    if idx.size and (idx.min() < 0 or idx.max() >= num_hidden_layers or len(set(idx.tolist())) != len(idx)):
+        raise RouteTraceError(f"moe_to_hidden {idx.tolist()} is not distinct layers of the {num_hidden_layers} hidden layers")
     out = np.full((r.shape[0], num_hidden_layers, r.shape[2]), SENTINEL, dtype=np.int32)
     out[:, idx, :] = r
     return out

@@ -81,9 +81,13 @@ class RouteTrace:
     def from_output(cls, prompt_ids: Sequence[int] | np.ndarray, output_ids: Sequence[int] | np.ndarray,
                     routed_experts: Any,
                     prompt_start: int = 0) -> RouteTrace:
-        """One request: ``routed_experts`` covers positions ``[prompt_start, S-1)`` of prompt+output."""
+        """One request: ``routed_experts`` covers positions ``[prompt_start, S-1)`` of prompt+output.
+
+        Positions before ``prompt_start`` (rows the caller asked the engine to skip) stay uncovered
+        (-1, ``covered`` False): ``check_complete`` names them; stitch earlier turns to fill them."""
         p, o = _as_tokens(prompt_ids, "prompt_ids"), _as_tokens(output_ids, "output_ids")
-        return cls.stitch([Turn(np.concatenate([p, o]), _as_routes(routed_experts), prompt_start)], prompt_len=len(p))
+        turn = Turn(np.concatenate([p, o]), _as_routes(routed_experts), int(prompt_start))
+        return cls.stitch([turn], prompt_len=len(p), allow_gaps=True)
 
     @classmethod
     def stitch(cls, turns: Sequence[Turn | tuple[Any, Any, int]], prompt_len: int | None = None,

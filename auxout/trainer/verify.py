@@ -12,12 +12,14 @@ import argparse
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from auxout.models import ARCHS
 
 ROLLOUTS = ("auto", "vllm", "hf-bf16")
 
@@ -32,17 +34,43 @@ class Rollout:
     logprobs: np.ndarray  # [len(output_ids)], log pi_rollout(token)
 
 
+def _at_least(low: int) -> Callable[[str], int]:
+    """argparse type: an integer >= ``low`` (a bad value is a usage error, not a traceback)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:  # (NaN too)
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0: greedy), got {text}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="auxout verify", description=__doc__.splitlines()[0])
     p.add_argument("--model", help="checkpoint directory (default: auxout's tiny random MoE for --arch)")
-    p.add_argument("--arch", default="qwen3_moe", help="tiny model architecture when --model is not given")
+    p.add_argument("--arch", default="qwen3_moe", choices=sorted(ARCHS),
+                   help="tiny model architecture when --model is not given")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rollout", choices=ROLLOUTS, default="auto",
                    help="auto = vLLM if auxout.vllm and vllm import, else transformers in bf16")
-    p.add_argument("--num-prompts", type=int, default=4)
-    p.add_argument("--prompt-len", type=int, default=48)
-    p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--num-prompts", type=_at_least(1), default=4)
+    p.add_argument("--prompt-len", type=_at_least(2), default=48)
+    p.add_argument("--max-new-tokens", type=_at_least(1), default=48)
+    p.add_argument("--temperature", type=_non_negative, default=1.0)
     p.add_argument("--out", default="out/verify", help="directory for verify.json and disagreement.png")
     p.add_argument("--no-progress", action="store_true", help="hide the tqdm progress bar")
     return p
@@ -237,7 +265,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry (``auxout verify ...``); exit 0 iff replay makes rollout and training routes agree 100%."""
-    args = _parser().parse_args(list(argv) if argv is not None else None)
+    parser = _parser()
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    if args.model is not None and not Path(args.model).is_dir():
+        parser.error(f"--model {args.model!r} is not a checkpoint directory")
     report = run(args)
     out = Path(args.out)
     os.makedirs(out, exist_ok=True)

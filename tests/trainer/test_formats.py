@@ -67,6 +67,13 @@ def test_sglang_payload_round_trips_with_echoed_dtype(shape, dtype):
     np.testing.assert_array_equal(select_moe_layers(decode_sglang(payload, hidden, K, echoed), [1, 2, 3]), got)
 
 
+def test_expand_layers_refuses_layers_outside_the_model():
+    r = _rows(5, 1)
+    for bad in ([1, 2, 4], [-1, 2, 3], [1, 1, 3]):
+        with pytest.raises(RouteTraceError, match="not distinct layers of the 4 hidden layers"):
+            expand_layers(r, bad, 4)
+
+
 def test_sglang_legacy_int32_and_refusals():
     r = _rows(5, 1)
     legacy = base64.b64encode(r.astype(np.int32).tobytes()).decode()  # older servers: no dtype field

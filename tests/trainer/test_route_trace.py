@@ -135,6 +135,14 @@ def test_stitch_refuses_misalignment():
         RouteTrace.from_output(toks[:5], toks[5:], rows)
     with pytest.raises(RouteTraceError, match="integer dtype"):
         RouteTrace.from_output(toks[:5], toks[5:], rows[:-1].astype(float))
+    # rows the engine returned from routed_experts_prompt_start: the skipped positions stay uncovered
+    part = RouteTrace.from_output(toks[:12], toks[12:], rows[7:19], prompt_start=7)
+    np.testing.assert_array_equal(part.per_sample()[7:], rows[7:19])
+    assert not part.covered[:7].any() and part.covered[7:19].all() and (part.per_sample()[:7] == -1).all()
+    with pytest.raises(RouteTraceError, match="7 positions have no routes, first at 0"):
+        part.check_complete()
+    with pytest.raises(RouteTraceError, match="S rows instead of S-1"):  # the start is still checked
+        RouteTrace.from_output(toks[:12], toks[12:], rows[6:19], prompt_start=7)
 
 
 @pytest.fixture(scope="module")

@@ -74,3 +74,20 @@ def test_docs_trainer_example_runs(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("loss "))
     assert "fallbacks 4" in line and float(line.split("router grad norm ")[1].split()[0]) > 0
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--num-prompts", "0"], "--num-prompts: must be at least 1, got 0"),
+        (["--max-new-tokens", "-3"], "--max-new-tokens: must be at least 1"),
+        (["--temperature", "-1"], "--temperature: must be >= 0"),
+        (["--arch", "gpt4"], "--arch: invalid choice: 'gpt4'"),
+        (["--model", "/no/such/checkpoint"], "is not a checkpoint directory"),
+    ],
+)
+def test_bad_arguments_are_usage_errors_not_tracebacks(argv, says, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert says in capsys.readouterr().err

@@ -227,6 +227,26 @@ def test_out_of_vocabulary_token_is_rejected_before_the_engine(llm, oracle, mode
     oracle.check(prompt[:7] + [vocab - 1] + prompt[8:], c)
 
 
+def test_numpy_and_float_token_ids_never_hang_the_engine(llm, oracle):
+    """vLLM sends prompt ids to the engine with msgpack, which takes neither numpy integers nor
+    floats: the request failed after vLLM had registered it, and the next generate on the same
+    LLM never returned. Numpy ids (an RL job's usual) now work; a float or bool id is refused
+    naming its position; the engine answers the next request."""
+    from vllm.exceptions import VLLMValidationError
+
+    prompt = random_prompt(np.random.default_rng(52), 30)
+    for ids in (np.asarray(prompt, dtype=np.int64), list(np.asarray(prompt, dtype=np.int32))):
+        (c,), (o,) = run(llm, [ids], greedy(4))
+        assert list(o.prompt_token_ids) == prompt
+        oracle.check(prompt, c)
+    for bad, name in ((6.0, "float"), (True, "bool")):
+        with pytest.raises(VLLMValidationError, match=f"must be integers: position 3 is {name}"):
+            run(llm, [prompt[:3] + [bad] + prompt[4:]], greedy(4))
+    fresh = random_prompt(np.random.default_rng(53), 25)
+    (c,), _ = run(llm, [fresh], greedy(4))
+    oracle.check(fresh, c)
+
+
 @pytest.mark.parametrize(
     "kw",
     [

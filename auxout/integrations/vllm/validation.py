@@ -127,13 +127,37 @@ def check_request_flag(
         raise _error(f"{PROMPT_START} must be a non-negative integer, got {start!r}", PROMPT_START, start)
 
 
+def plain_token_ids(token_ids: Sequence[int] | np.ndarray) -> list[int]:
+    """The prompt's token ids as a list of Python ints (the list itself when it is one already).
+
+    vLLM sends them to the engine with msgpack, which takes neither numpy integers (an RL job's
+    usual ids) nor floats: the request then fails after vLLM registered it, and the next
+    ``generate`` on that ``LLM`` never returns. Numpy integers are converted; anything else that
+    is not an integer (a float, a bool, a string) is a validation error naming its position.
+    """
+    if type(token_ids) is list and set(map(type, token_ids)) <= {int}:
+        return token_ids  # (the usual case: C-level map, no frame per id)
+    ids = np.asarray(token_ids)
+    mixed = not isinstance(token_ids, np.ndarray) and any(t is bool or t is np.bool_ for t in set(map(type, token_ids)))
+    if mixed or ids.ndim != 1 or ids.dtype.kind not in "iu":
+        flat = list(token_ids) if ids.ndim == 1 or ids.dtype == object else [token_ids]
+        pos = next((i for i, x in enumerate(flat) if isinstance(x, bool | np.bool_) or not isinstance(x, int | np.integer)), 0)
+        bad = flat[pos] if flat else token_ids
+        raise _error(
+            f"prompt token ids must be integers: position {pos} is {type(bad).__name__} {bad!r:.40}",
+            "prompt",
+            repr(bad)[:40],
+        )
+    return ids.tolist()
+
+
 def check_prompt_token_ids(token_ids: Sequence[int] | np.ndarray, vocab_size: int) -> None:
     """Raise vLLM's validation error (HTTP 400) for a prompt token id outside ``[0, vocab_size)``."""
     if len(token_ids) == 0:
         return
     ids = np.asarray(token_ids)
     if ids.dtype.kind not in "iu":
-        return  # not ints: vLLM's own checks report it
+        return  # not ints: plain_token_ids reports it
     bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
     if bad.size:
         pos = int(bad[0])
@@ -199,6 +223,9 @@ def install_request_validation(*, flag_as_int: bool = False) -> None:
         # before vLLM's own check, which says neither the field nor the position
         ids = prompt_input.get("prompt_token_ids") if prompt_input.get("type") != "embeds" else None
         if ids is not None:
+            plain = plain_token_ids(ids)
+            if plain is not ids:  # (numpy integers: the engine receives Python ints)
+                prompt_input["prompt_token_ids"] = ids = plain
             check_prompt_token_ids(ids, _num_token_ids(self))
         return validate_model_input(self, prompt_input, *args, **kwargs)
 
