@@ -415,7 +415,7 @@ def test_a_server_off_by_default_returns_routes_to_a_request_that_sends_a_route_
 
 def test_weights_digest_follows_the_weights_not_the_module_object():
     """Two engines holding the same weights derive the same digest (they share the generation's
-    routes); one optimizer step, another dtype or another shape gives another; a digest that
+    routes); one optimizer step, one changed element, another dtype or shape gives another; a digest that
     cannot be taken is "" (routes then stay the engine's own), never an exception."""
     import torch
 
@@ -433,6 +433,10 @@ def test_weights_digest_follows_the_weights_not_the_module_object():
     b(torch.randn(4, 64)).sum().backward()
     opt.step()
     assert weights_digest(b) != d
+    c = model(0)
+    with torch.no_grad():  # one element no sample reads (a bf16 step moves only a few percent of them)
+        c[0].weight.view(-1)[1] += 1e-3
+    assert weights_digest(c) != d
     assert weights_digest(model(0, torch.bfloat16)) not in (d, "")
     assert weights_digest(model(1)) != d
 

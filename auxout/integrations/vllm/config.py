@@ -97,13 +97,14 @@ def weights_digest(model: Any) -> str:
     Names a generation after a prefix-cache reset (``KeySpace.weights``): engines holding the same
     weights, however they got them (an RL weight sync to every replica and to both sides of a P/D
     split, or a restart from a checkpoint of them), derive the same keys and share routes, which
-    are a function of the weights. Reads each parameter's name, shape, dtype and
-    ``_DIGEST_SAMPLES`` evenly spaced elements: an RL step changes nearly every element of every
-    tensor it trains. Shards are what this rank holds, so peers share only with the same
-    tensor/pipeline-parallel layout (others recompute).
+    are a function of the weights. Reads each parameter's name, shape, dtype, ``_DIGEST_SAMPLES``
+    evenly spaced elements (where they sit) and the sum of all its elements' bits (that any of
+    them changed: one pass over the weights, once per reset). Shards are what this rank holds,
+    so peers share only with the same tensor/pipeline-parallel layout (others recompute).
     """
     import torch
 
+    int_views = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
     h = hashlib.sha256()
     try:
         with torch.no_grad():
@@ -114,6 +115,10 @@ def weights_digest(model: Any) -> str:
                 if n:
                     idx = torch.linspace(0, n - 1, min(n, _DIGEST_SAMPLES), device=flat.device).long()
                     h.update(flat.index_select(0, idx).contiguous().view(torch.uint8).cpu().numpy().tobytes())
+                    # and every element, as the wrapping sum of its bits (one pass on the device): a
+                    # low learning rate in bf16 moves only a few percent of the elements per step
+                    bits = flat.contiguous().view(int_views.get(flat.element_size(), torch.uint8))
+                    h.update(str(int(torch.sum(bits, dtype=torch.int64))).encode())
     except Exception as exc:  # never stop the engine for a digest: its routes are then its own
         logger.warning(
             "auxout: could not take a digest of the weights (%s: %s); routes after this prefix-cache reset "
