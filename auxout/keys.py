@@ -55,7 +55,7 @@ class KeySpace:
 
     Generation 0 holds the routes of the weights the engine loaded (the fingerprint names them),
     so replicas and restarts share it. A later generation follows weights updated in place:
-    - ``weights``, a digest of the weights themselves (the vLLM worker samples every parameter
+    - ``weights``, a digest of the weights themselves (the vLLM worker reads every parameter
       when a generation starts), names it ``w<weights>``: every engine holding those weights, a
       P/D peer, a replica or a restarted engine, shares its routes, and no other weights do;
     - else ``life``, a token of this engine's lifetime, names it ``g<generation>-<life>``: another

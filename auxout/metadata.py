@@ -74,7 +74,7 @@ class StepOutput:
     one_row_starts: list[int] | None = None
     # ``(generation, weights digest)`` on the first output after the worker named a generation
     # by the weights it runs (``KeySpace.weights``): the scheduler keys that generation the same way
-    life: tuple[int, str] | None = None
+    weights: tuple[int, str] | None = None
     _spans: dict[str, tuple[int, int, int]] | None = None
 
     def span_map(self) -> dict[str, tuple[int, int, int]]:
@@ -136,13 +136,13 @@ class StepOutput:
         data = rows.tobytes() if rows.nbytes < _RAW_ROWS_BELOW else rows
         return (
             self.req_ids, cols, dtype.str if dtype.isbuiltin else dtype, rows.shape, data, self.errors,
-            self.published, self.lost, heads, one_row, self.life,
+            self.published, self.lost, heads, one_row, self.weights,
         )  # fmt: skip
 
     def __setstate__(self, state: tuple) -> None:
         (
             self.req_ids, cols, dtype, shape, rows, self.errors, self.published, self.lost, self.heads,
-            self.one_row_starts, self.life,
+            self.one_row_starts, self.weights,
         ) = state  # fmt: skip
         if cols is not None:
             n = len(self.req_ids)

@@ -90,7 +90,7 @@ class SchedulerConnector:
     ) -> None:
         """``keyspace``/``block_size`` must match the worker's; ``remote_contains`` asks a store
         other instances publish to (None for an in-process store). ``weights_from_worker``: the
-        worker names each generation after a reset by its weights (``StepOutput.life``); until
+        worker names each generation after a reset by its weights (``StepOutput.weights``); until
         its first output of that generation says how, prefix hits are taken as they are (the
         worker checks them when it reads)."""
         if default_output not in OUTPUT_MODES:
@@ -507,8 +507,8 @@ class SchedulerConnector:
         """
         if output is None:
             return []
-        if output.life is not None:
-            self._adopt_weights(*output.life)
+        if output.weights is not None:
+            self._adopt_weights(*output.weights)
         if output.published or output.lost:
             self.index.apply(output.published, output.lost)
         if not output.errors:

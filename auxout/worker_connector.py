@@ -194,7 +194,7 @@ class WorkerConnector:
         self._token_nbytes = profile.token_nbytes
         self.generation = 0
         self._weights_digest = weights_digest
-        self._life_report: tuple[int, str] | None = None  # for the next StepOutput
+        self._weights_report: tuple[int, str] | None = None  # for the next StepOutput
         self.pool = StagingPool(
             profile,
             block_size,
@@ -322,7 +322,7 @@ class WorkerConnector:
         token, which nobody else shares: correct, not shared)."""
         self.keyspace = replace(self.keyspace, weights=digest())  # (validates the digest)
         self._chains.keyspace = self.keyspace
-        self._life_report = (self.generation, self.keyspace.weights)
+        self._weights_report = (self.generation, self.keyspace.weights)
 
     # -- step API ---------------------------------------------------------------------------
     def begin_step(self, meta: StepMetadata | None) -> None:
@@ -608,10 +608,10 @@ class WorkerConnector:
             self._check_open()
         if not self._pending_steps or self._pending_steps[0] is not pending:
             raise InvariantError("step outputs must be processed in the order they were prepared")
-        if self._life_report is not None:  # (once per generation: the scheduler learns its keys)
-            report, self._life_report = self._life_report, None
+        if self._weights_report is not None:  # (once per generation: the scheduler learns its keys)
+            report, self._weights_report = self._weights_report, None
             out = self.process_output(pending, num_sampled, num_rejected)
-            out.life = report
+            out.weights = report
             return out
         n = len(pending.req_ids)
         if pending.seq in self._void_seqs:

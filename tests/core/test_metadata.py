@@ -39,9 +39,9 @@ def test_step_output_round_trips_every_field(
     if one_row:  # (a lane step: request i emitted row i only; its wire form sends the starts alone)
         out.one_row_starts = starts.tolist()
     if seed % 2:  # (the first output of a generation named by the weights)
-        out.life = (seed, "abc123")
+        out.weights = (seed, "abc123")
     back = pickle.loads(pickle.dumps(out, protocol=5))
-    assert back.one_row_starts == out.one_row_starts and back.life == out.life
+    assert back.one_row_starts == out.one_row_starts and back.weights == out.weights
     assert back.req_ids == ids and back.errors == {"x": "gone"} and back.published == ["k1"] and back.lost == ["k2"]
     for name in ("token_starts", "lo", "hi"):
         got, want = getattr(back, name), getattr(out, name)
@@ -52,7 +52,7 @@ def test_step_output_round_trips_every_field(
     assert back.heads.keys() == heads.keys()
     for rid, (head, own) in heads.items():
         assert back.heads[rid][1] == own and back.heads[rid][0].tobytes() == head.tobytes()
-    checked = {"req_ids", "token_starts", "lo", "hi", "rows", "errors", "published", "lost", "heads", "one_row_starts", "life"}
+    checked = {"req_ids", "token_starts", "lo", "hi", "rows", "errors", "published", "lost", "heads", "one_row_starts", "weights"}
     assert {f.name for f in fields(StepOutput)} - {"_spans"} == checked, "a new field needs its round trip checked here"
 
 

@@ -135,11 +135,11 @@ def plain_token_ids(token_ids: Sequence[int] | np.ndarray) -> list[int]:
     ``generate`` on that ``LLM`` never returns. Numpy integers are converted; anything else that
     is not an integer (a float, a bool, a string) is a validation error naming its position.
     """
-    if type(token_ids) is list and set(map(type, token_ids)) <= {int}:
-        return token_ids  # (the usual case: C-level map, no frame per id)
+    types = set() if isinstance(token_ids, np.ndarray) else set(map(type, token_ids))  # (C-level map)
+    if type(token_ids) is list and types <= {int}:
+        return token_ids  # (the usual case)
     ids = np.asarray(token_ids)
-    mixed = not isinstance(token_ids, np.ndarray) and any(t is bool or t is np.bool_ for t in set(map(type, token_ids)))
-    if mixed or ids.ndim != 1 or ids.dtype.kind not in "iu":
+    if bool in types or np.bool_ in types or ids.ndim != 1 or ids.dtype.kind not in "iu":
         flat = list(token_ids) if ids.ndim == 1 or ids.dtype == object else [token_ids]
         pos = next((i for i, x in enumerate(flat) if isinstance(x, bool | np.bool_) or not isinstance(x, int | np.integer)), 0)
         bad = flat[pos] if flat else token_ids
