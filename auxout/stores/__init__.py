@@ -6,7 +6,7 @@ from typing import Any
 
 from auxout.stores.arena import ArenaStore
 from auxout.stores.background import BackgroundStore
-from auxout.stores.base import BlockStore
+from auxout.stores.base import BlockStore, check_seconds
 from auxout.stores.policy import EvictionPolicy, LRUPolicy
 
 __all__ = [
@@ -48,10 +48,13 @@ INLINE_BELOW_BYTES = 512 * 1024
 STORE_OPTIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "arena": ((), ("policy",)),
     "shm": ((), ("shm_name", "read_from")),
-    "redis": (("url", "namespace"), ("ttl", "timeout")),
+    "redis": (("url", "namespace"), ("ttl", "timeout", "retry_after")),
     "mooncake": (("master_addr",), ()),
 }
 """Per backend, the ``make_store`` keyword options it requires and the ones it accepts besides."""
+
+
+_SECONDS = {"ttl": True, "timeout": True, "retry_after": False}  # option -> must be > 0 (else >= 0)
 
 
 def check_store_options(name: str, options: dict[str, Any]) -> None:
@@ -65,6 +68,9 @@ def check_store_options(name: str, options: dict[str, Any]) -> None:
     unknown = sorted(set(options) - set(required) - set(optional))
     if unknown:
         raise ValueError(f"unknown option(s) {unknown} for store {name!r}; known: {sorted(required + optional)}")
+    for key, positive in _SECONDS.items():  # (checked again by the store; here before any engine starts)
+        if key in options and not (key == "ttl" and options[key] is None):
+            check_seconds(f"store {name!r} option {key!r}", options[key], positive=positive)
 
 
 def make_store(name: str, *, max_bytes: int, object_nbytes: int, background: bool = True, **kw: Any) -> BlockStore:
@@ -90,6 +96,7 @@ def make_store(name: str, *, max_bytes: int, object_nbytes: int, background: boo
             object_nbytes=object_nbytes,
             ttl=kw.pop("ttl", None),
             timeout=kw.pop("timeout", 5.0),
+            retry_after=kw.pop("retry_after", 10.0),
         )
     elif name == "mooncake":
         from auxout.stores.mooncake import MooncakeStore

@@ -5,14 +5,19 @@ Objects are raw payload bytes (no header, nothing pickled) under ``<namespace>/<
 external store ignores retain/release (releasing a request never deletes shared objects).
 Writes are pipelined and reads use ``MGET``, both in bounded batches. Every socket operation
 has a timeout and a connection failure surfaces as ``StoreUnavailableError`` naming the
-server, so an engine never hangs on a dead store. The TTL starts at the first write: putting an
-existing key again neither overwrites it nor extends its lifetime, so size the TTL to cover the
-trainer's fetch. Valkey speaks the same protocol (not in Debian 12 apt, so tests use redis-server).
+server, so an engine never hangs on a dead store. A server that stops answering (frozen, or a
+network that drops packets) costs one timeout: for ``retry_after`` seconds after it, every
+operation fails at once instead of each waiting out its own timeout (the engine's callers then
+recompute, as for any unavailable store), and the first operation after that tries again. The
+TTL starts at the first write: putting an existing key again neither overwrites it nor extends
+its lifetime, so size the TTL to cover the trainer's fetch. Valkey speaks the same protocol (not
+in Debian 12 apt, so tests use redis-server).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
@@ -24,7 +29,7 @@ from auxout.errors import (
     StoreClosedError,
     StoreUnavailableError,
 )
-from auxout.stores.base import StoreObject, check_payload
+from auxout.stores.base import StoreObject, check_payload, check_seconds
 
 _BATCH_BYTES = 32 * 2**20
 _BATCH_KEYS = 4096
@@ -48,7 +53,10 @@ class RedisStore:
         object_nbytes: int,
         ttl: float | None = None,
         timeout: float = 5.0,
+        retry_after: float = 10.0,
     ) -> None:
+        """``timeout``: seconds any one socket operation may wait; ``retry_after``: seconds after a
+        timeout during which operations fail at once (0: each waits out its own timeout)."""
         import redis
         from redis.backoff import NoBackoff
         from redis.retry import Retry
@@ -59,23 +67,27 @@ class RedisStore:
             raise ValueError(f"RedisStore namespace must be non-empty without spaces, got {namespace!r}")
         if ttl is not None and ttl <= 0:
             raise ValueError(f"RedisStore ttl must be positive seconds or None, got {ttl!r}")
-        if timeout <= 0:
-            raise ValueError(f"RedisStore timeout must be positive seconds, got {timeout!r}")
+        check_seconds("RedisStore timeout", timeout)
+        check_seconds("RedisStore retry_after", retry_after, positive=False)
         self.url = url
         self.namespace = namespace
         self.object_nbytes = object_nbytes
         self.ttl = ttl
         self.timeout = timeout
+        self.retry_after = retry_after
+        self._unanswered_at: float | None = None  # when an operation last timed out (monotonic)
         self._prefix = f"{namespace}/"
         self._px = None if ttl is None else max(1, int(ttl * 1000))
         self._errors: tuple[type[BaseException], ...] = (redis.ConnectionError, redis.TimeoutError)
+        self._timeout_error: type[BaseException] = redis.TimeoutError
         self._redis_error: type[BaseException] = redis.RedisError
-        # one quick reconnect absorbs a stale pooled socket after a server restart; no long backoff
+        # one quick reconnect absorbs a stale pooled socket after a server restart; no long backoff,
+        # and no retry after a timeout (a server that did not answer in time would cost two)
         self._client: Any = redis.Redis.from_url(
             url,
             socket_timeout=timeout,
             socket_connect_timeout=timeout,
-            retry=Retry(NoBackoff(), 1),
+            retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
             health_check_interval=0,
         )
         self._closed = False
@@ -192,12 +204,24 @@ class _ErrorMap:
         self.store, self.op = store, op
 
     def __enter__(self) -> None:
+        s = self.store
+        since = s._unanswered_at
+        if since is not None:
+            ago = time.monotonic() - since
+            if ago < s.retry_after:
+                raise StoreUnavailableError(
+                    f"redis store {s.url} did not answer within {s.timeout}s {ago:.1f}s ago: {self.op} fails at "
+                    f"once until {s.retry_after}s have passed (store option retry_after), then tries again"
+                )
+            s._unanswered_at = None
         return None
 
     def __exit__(self, et: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
         if exc is None or isinstance(exc, BlockStoreError):
             return
         s = self.store
+        if isinstance(exc, s._timeout_error) and s.retry_after > 0:
+            s._unanswered_at = time.monotonic()
         if isinstance(exc, s._errors):
             raise StoreUnavailableError(
                 f"redis store {s.url} unavailable during {self.op} (timeout {s.timeout}s): {exc}"

@@ -62,7 +62,8 @@ def test_redis_killed_then_restarted() -> None:
 
 def test_redis_hung_server_times_out() -> None:
     with redis_server() as srv:
-        store = RedisStore(srv.url, namespace="hang", object_nbytes=ONB, timeout=0.5)
+        # retry_after=0: every operation asks the server (recovers as soon as it answers)
+        store = RedisStore(srv.url, namespace="hang", object_nbytes=ONB, timeout=0.5, retry_after=0)
         store.put([("a", b"\x01" * ONB)])
         pause(srv)
         try:
@@ -72,6 +73,41 @@ def test_redis_hung_server_times_out() -> None:
             resume(srv)
         assert _eventually(lambda: store.get_concatenated(["a"]), 5.0) == b"\x01" * ONB
         store.close()
+
+
+def test_redis_hung_server_costs_one_timeout_then_fails_at_once_until_retry_after() -> None:
+    """A frozen Redis: the first operation waits out its timeout (once: no retry after a timeout),
+    the next ones of any kind fail at once naming the option, and after ``retry_after`` one tries
+    again and works once the server answers."""
+    with redis_server() as srv:
+        store = RedisStore(srv.url, namespace="hang2", object_nbytes=ONB, timeout=0.5, retry_after=1.5)
+        store.put([("a", b"\x01" * ONB)])
+        pause(srv)
+        try:
+            first = _timed_error(lambda: store.get_concatenated(["a"]), 3.0)
+            assert isinstance(first, StoreUnavailableError) and "timeout 0.5s" in str(first)
+            for call in (lambda: store.put([("b", b"\x02")]), lambda: store.contains(["a"]),
+                         lambda: store.get_concatenated(["a"])):
+                exc = _timed_error(call, 3.0)
+                assert isinstance(exc, StoreUnavailableError)
+                assert "did not answer within 0.5s" in str(exc) and "retry_after" in str(exc), exc
+                assert srv.url in str(exc)
+        finally:
+            resume(srv)
+        # still inside the quiet window: fails without asking the (now answering) server
+        with pytest.raises(StoreUnavailableError, match="retry_after"):
+            store.contains(["a"])
+        time.sleep(1.6)
+        assert store.get_concatenated(["a"]) == b"\x01" * ONB  # the first operation after it tries again
+        assert store.contains(["a", "zz"]) == [True, False]
+        store.close()
+
+
+@pytest.mark.parametrize("bad", [{"timeout": 0}, {"timeout": "5"}, {"retry_after": -1}, {"retry_after": True}])
+def test_redis_timeouts_are_checked(bad: dict[str, object]) -> None:
+    (name, value), = bad.items()
+    with pytest.raises(ValueError, match=f"RedisStore {name} must be .* got {value!r}"):
+        RedisStore("redis://127.0.0.1:1/0", namespace="x", object_nbytes=ONB, **bad)  # type: ignore[arg-type]
 
 
 def test_redis_unreachable_at_start_fails_fast() -> None:
@@ -184,3 +220,17 @@ def test_servers_die_with_a_sigkilled_test_process(tmp_path) -> None:  # type: i
     while not all(_gone_or_zombie(p) for p in pids):
         assert time.monotonic() < deadline, f"servers {pids} outlived the process that started them"
         time.sleep(0.1)
+
+
+def test_make_store_passes_every_redis_option_it_accepts() -> None:
+    """Every option ``STORE_OPTIONS`` lists for Redis reaches the store (an accepted option that
+    ``make_store`` dropped stopped the engine at startup)."""
+    from auxout.stores import STORE_OPTIONS, make_store
+
+    values = {"url": "redis://127.0.0.1:1/0", "namespace": "opts", "ttl": 30.0, "timeout": 0.5, "retry_after": 2.5}
+    required, optional = STORE_OPTIONS["redis"]
+    assert set(values) == set(required) | set(optional)
+    store = make_store("redis", max_bytes=ONB, object_nbytes=ONB, background=False, **values)
+    assert isinstance(store, RedisStore)  # (connects lazily: no server needed)
+    assert (store.ttl, store.timeout, store.retry_after, store.namespace) == (30.0, 0.5, 2.5, "opts")
+    store.close()
