@@ -84,6 +84,14 @@ def check_request_flag(
             OUTPUT_FLAG,
             extra[OUTPUT_FLAG],
         )
+    asking = _fields_asking(extra, as_int)
+    if asking and normalize_flag(extra.get(REQUEST_FLAG)) is False:
+        name = asking[0]
+        raise _error(
+            f"{name}={extra[name]!r} asks for routes that {REQUEST_FLAG}=false turns off: drop one of the two",
+            name,
+            extra[name],
+        )
     if extra.get(OUTPUT_FLAG) == "keys" and store is not None and store not in SHARED_STORES:
         raise _error(
             f"{OUTPUT_FLAG}='keys' needs a route store the trainer can reach ({' or '.join(SHARED_STORES)}); "
@@ -125,6 +133,28 @@ def check_request_flag(
         setattr(params, PROMPT_START, start)
     if start is not None and (isinstance(start, bool) or not isinstance(start, int) or start < 0):
         raise _error(f"{PROMPT_START} must be a non-negative integer, got {start!r}", PROMPT_START, start)
+
+
+def _fields_asking(extra: dict[str, Any], as_int: bool) -> list[str]:
+    """auxout's ``extra_args`` entries in ``extra`` that ask for routes: an output kind, weights true."""
+    weights = extra.get(WEIGHTS_FLAG)
+    return [
+        name for name, asks in (
+            (OUTPUT_FLAG, OUTPUT_FLAG in extra),
+            (WEIGHTS_FLAG, (normalize_flag(weights) if as_int else weights) is True),
+        ) if asks
+    ]  # fmt: skip
+
+
+def asks_for_routes(params: Any) -> bool:
+    """Whether a request that does not say ``return_routed_experts`` sends a route field (a
+    prompt start, routing weights, an output kind): on an engine whose default is off, that field
+    is its request for routes (``auxout serve`` reads its body the same way). Call after
+    :func:`check_request_flag`."""
+    extra = getattr(params, "extra_args", None) or {}
+    if REQUEST_FLAG in extra:
+        return False
+    return bool(getattr(params, PROMPT_START, 0)) or bool(_fields_asking(extra, True))
 
 
 def plain_token_ids(token_ids: Sequence[int] | np.ndarray) -> list[int]:
@@ -215,6 +245,9 @@ def install_request_validation(*, flag_as_int: bool = False) -> None:
                 weights=None if opts is None else opts.routing_weights,
             )
             extra = params.extra_args
+            if opts is not None and not opts.default_return and asks_for_routes(params):
+                # an engine off by default: a route field is the request's ask, as over HTTP
+                extra = params.extra_args = {**(extra or {}), REQUEST_FLAG: True}
             if extra and normalize_flag(extra.get(WEIGHTS_FLAG)) is True:
                 extra[WEIGHTS_SPLIT] = True  # this process splits the (id, weight) rows: weights_output
         return validate_params(self, params, *args, **kwargs)
