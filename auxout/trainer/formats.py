@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from auxout.trainer.route_trace import SENTINEL, RouteTrace, RouteTraceError
+from auxout.trainer.route_trace import SENTINEL, RouteTrace, RouteTraceError, is_index
 
 SGLANG_DTYPES: dict[str, type[np.integer[Any]]] = {"int32": np.int32, "uint16": np.uint16, "uint8": np.uint8, "int16": np.int16, "int64": np.int64}
 
@@ -151,6 +151,8 @@ def from_slime(tokens: Sequence[int] | np.ndarray, rollout_routed_experts: Any, 
     r = _routes3(rollout_routed_experts, "rollout_routed_experts")
     if len(r) != len(t) - 1:
         raise RouteTraceError(f"rollout_routed_experts has {len(r)} rows for {len(t)} tokens (expected {len(t) - 1})")
+    if not is_index(prompt_len) or not 0 <= prompt_len <= len(t):
+        raise RouteTraceError(f"prompt_len must be an int in [0, {len(t)}] (the sample's tokens), got {prompt_len!r}")
     return RouteTrace.from_output(t[:prompt_len], t[prompt_len:], r)
 
 

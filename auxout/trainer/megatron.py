@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from auxout.trainer.hf import InvalidRoutesError, route_row_problems
-from auxout.trainer.route_trace import SENTINEL, RouteTraceError
+from auxout.trainer.route_trace import SENTINEL, RouteTraceError, is_index
 
 
 # ---------------------------------------------------------------------- layout math (numpy)
@@ -98,6 +98,9 @@ def per_layer_targets(rows: Any, layers: Sequence[int] | None = None, num_expert
     if r.ndim != 3 or r.dtype.kind not in "iu":
         raise RouteTraceError(f"rows must be integer [rows, L, K], got {r.dtype} {r.shape}")
     idx = list(range(r.shape[1])) if layers is None else list(layers)
+    bad_layers = [i for i in idx if not is_index(i) or not 0 <= i < r.shape[1]]
+    if bad_layers:
+        raise RouteTraceError(f"layers {bad_layers} are not MoE layer indices of rows with L={r.shape[1]} (0..{r.shape[1] - 1})")
     t = torch.from_numpy(r[:, idx, :].astype(np.int64))
     if num_experts is not None:
         _, bad = route_row_problems(t, num_experts)

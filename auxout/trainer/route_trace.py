@@ -27,6 +27,11 @@ class RouteTraceError(AuxOutError, ValueError):
     """Routes and tokens do not line up (wrong length, token prefix mismatch, gap or double count)."""
 
 
+def is_index(value: object) -> bool:
+    """An int or numpy integer, not a bool: what a position, length or layer index must be."""
+    return not isinstance(value, bool) and isinstance(value, (int, np.integer))
+
+
 def _as_routes(a: Any, name: str = "routed_experts") -> np.ndarray:
     r = np.asarray(a)
     if r.dtype.kind not in "iu":
@@ -178,6 +183,8 @@ class RouteTrace:
 
     def truncate(self, max_len: int) -> RouteTrace:
         """Keep the first ``max_len`` tokens with their rows (the kept last token keeps its route)."""
+        if not is_index(max_len) or max_len < 0:
+            raise RouteTraceError(f"max_len must be a non-negative int, got {max_len!r}")
         n = min(max_len, len(self.tokens))
         return RouteTrace(self.tokens[:n].copy(), self.routes[:n].copy(), self.covered[:n].copy(),
                           min(self.prompt_len, n))
@@ -223,7 +230,10 @@ def pad_batch(traces: Sequence[RouteTrace], side: str = "right", length: int | N
     b = len(traces)
     ids = np.full((b, s), pad_token, dtype=np.int64)
     mask = np.zeros((b, s), dtype=np.int64)
-    routes = np.full((b, s, *lk), SENTINEL, dtype=dtype)
+    out = np.dtype(dtype)
+    if out.kind != "i":
+        raise RouteTraceError(f"dtype must be a signed integer type (padding is {SENTINEL}), got {out}")
+    routes = np.full((b, s, *lk), SENTINEL, dtype=out)
     for i, t in enumerate(traces):
         n = len(t.tokens)
         sl = slice(0, n) if side == "right" else slice(s - n, s)

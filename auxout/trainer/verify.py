@@ -208,6 +208,10 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+class ModelNotVerifiable(ValueError):
+    """The checkpoint has no MoE layers auxout can capture and replay (a usage error of the CLI)."""
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Everything but argument parsing: returns the report that ``main`` writes."""
     import torch
@@ -226,6 +230,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         model_path = build_tiny_moe(args.arch, seed=args.seed)
     train_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    try:  # before any rollout: a model without MoE layers has nothing to verify
+        layers = moe_layers(train_model)
+    except (TypeError, ValueError) as exc:
+        raise ModelNotVerifiable(f"--model {model_path}: {exc}") from exc
     vocab = int(train_model.config.vocab_size)
     rng = np.random.default_rng(args.seed)
     prompts = [rng.integers(3, vocab, args.prompt_len) for _ in range(args.num_prompts)]
@@ -249,7 +257,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         m["fallback_rows"] = fb
         results["with_replay" if use else "without_replay"] = m
     bar.close()
-    layers = moe_layers(train_model)
     return {
         "model": model_path,
         "rollout": kind,
@@ -269,7 +276,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(list(argv) if argv is not None else None)
     if args.model is not None and not Path(args.model).is_dir():
         parser.error(f"--model {args.model!r} is not a checkpoint directory")
-    report = run(args)
+    try:
+        report = run(args)
+    except ModelNotVerifiable as exc:
+        parser.error(str(exc))
     out = Path(args.out)
     os.makedirs(out, exist_ok=True)
     (out / "verify.json").write_text(json.dumps(report, indent=2))

@@ -139,6 +139,10 @@ def test_slime_and_nemo_rl_refusals():
     t = _trace(3, 4, 4)
     with pytest.raises(RouteTraceError, match="8 tokens"):
         from_slime(t.tokens, t.routes, 4)  # S rows instead of S-1
+    for prompt_len in (-3, 9, 2.0, True):  # (a negative one wrapped, one past the sample was clamped)
+        with pytest.raises(RouteTraceError, match=rf"prompt_len must be an int in \[0, 8\].*{prompt_len!r}"):
+            from_slime(t.tokens, t.routes[:-1], prompt_len)  # type: ignore[arg-type]
+    assert from_slime(t.tokens, t.routes[:-1], 8).prompt_len == 8
     bad = to_nemo_rl(t)
     bad[2, 1, 0] = -1
     with pytest.raises(RouteTraceError, match=r"position=2, moe_layer=1\] = \[-1, "):

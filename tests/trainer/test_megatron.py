@@ -103,6 +103,9 @@ def test_targets_refuse_corrupt_rows_allow_no_route():
     rows[3, 0] = [0, 8]
     with pytest.raises(InvalidRoutesError, match=r"outside \[0, 8\)"):
         per_layer_targets(rows, num_experts=E)
+    for layers in ([2], [-1], [0, 5]):  # (a raw IndexError, or the last layer picked silently)
+        with pytest.raises(RouteTraceError, match=r"not MoE layer indices of rows with L=2"):
+            per_layer_targets(rows, layers=layers)
 
 
 # ---------------------------------------------------------------------- RouterReplay itself

@@ -180,3 +180,15 @@ def test_packed_replay_keeps_rows_with_tokens(arch):
         with replay(model, t.for_forward()), torch.no_grad():
             alone = model(input_ids=torch.from_numpy(t.tokens)[None], use_cache=False).logits[0]
         torch.testing.assert_close(packed[lo:hi], alone, atol=2e-5, rtol=1e-4)
+
+
+def test_pad_batch_and_truncate_name_their_bad_argument():
+    tr = _trace_for(np.arange(3, 13), 4)
+    for dtype in (np.uint8, np.uint16, np.float32):  # (-1 padding: numpy's OverflowError before)
+        with pytest.raises(RouteTraceError, match=r"dtype must be a signed integer type"):
+            pad_batch([tr], dtype=dtype)
+    assert pad_batch([tr], dtype=np.int8)[2].dtype == np.int8
+    for bad in (-1, 2.5, True):
+        with pytest.raises(RouteTraceError, match=rf"max_len must be a non-negative int, got {bad!r}"):
+            tr.truncate(bad)  # type: ignore[arg-type]
+    assert len(tr.truncate(0).tokens) == 0 and len(tr.truncate(99).tokens) == 10

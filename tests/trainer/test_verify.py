@@ -91,3 +91,19 @@ def test_bad_arguments_are_usage_errors_not_tracebacks(argv, says, capsys):
         main(argv)
     assert exc.value.code == 2
     assert says in capsys.readouterr().err
+
+
+def test_a_dense_model_is_a_usage_error_before_any_rollout(tmp_path, capsys):
+    """A checkpoint without MoE layers: exit 2 naming the model and why, not a traceback."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    Qwen3ForCausalLM(cfg).save_pretrained(tmp_path / "dense")
+    with pytest.raises(SystemExit) as exc:
+        main(["--model", str(tmp_path / "dense"), "--rollout", "hf-bf16", "--num-prompts", "1",
+              "--out", str(tmp_path / "out"), "--no-progress"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "auxout verify: error: --model" in err and "no MoE router" in err, err
+    assert not (tmp_path / "out").exists()
