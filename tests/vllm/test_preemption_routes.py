@@ -7,9 +7,20 @@ weights (``routing_weights=True``); requests that do not ask for them get the id
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
-from routes_oracle import Oracle, close_llm, greedy, make_llm, metric, random_prompt
+from routes_oracle import (
+    Oracle,
+    close_llm,
+    greedy,
+    make_llm,
+    metric,
+    negate_embeddings,
+    negate_oracle_embeddings,
+    random_prompt,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -25,12 +36,14 @@ def model_path() -> str:
 
 @pytest.fixture(scope="module")
 def llm(model_path: str):
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # (collective_rpc with a function: a weight update)
     engine = make_llm(
         model_path, auxout={"routing_weights": True}, max_model_len=320, num_gpu_blocks_override=KV_BLOCKS,
         max_num_seqs=8,
     )  # fmt: skip
     yield engine
     close_llm(engine)
+    os.environ.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
 
 
 @pytest.fixture(scope="module")
@@ -76,3 +89,51 @@ def test_preemption_keeps_routing_weights_exact(llm, oracle):
             oracle.check_weights(p, o.outputs[0])
         else:
             assert getattr(o.outputs[0], "routing_weights", None) is None
+
+
+def test_a_weight_sync_mid_request_says_where_the_new_weights_rows_begin(llm, oracle):
+    """RL partial rollout: scheduling paused, the weights updated in place and the prefix cache
+    reset with ``reset_running_requests=True`` while a request decodes; vLLM then recomputes it
+    under the new weights. The rows it was already returned stay (each token's route as it was
+    processed, as verl keeps a resumed partial rollout's old rows); the rest are the new weights'
+    routes, and the completion says where they begin (``auxout_routes_reset_at``)."""
+    rng = np.random.default_rng(24)
+    prompt = random_prompt(rng, 60)
+    other = random_prompt(rng, 30)  # a request that finishes before the sync: nothing to report
+    eng = llm.llm_engine
+    eng.add_request("sync-mid", {"prompt_token_ids": prompt}, greedy(24))
+    eng.add_request("sync-before", {"prompt_token_ids": other}, greedy(2))
+    outs, steps, synced = {}, 0, False
+    try:
+        while eng.has_unfinished_requests():
+            for ro in eng.step():
+                if ro.finished:
+                    outs[ro.request_id] = ro
+            steps += 1
+            if steps == 6:
+                assert "sync-before" in outs and "sync-mid" not in outs
+                llm.sleep(level=0, mode="keep")  # (no step runs between the update and the reset)
+                assert llm.collective_rpc(negate_embeddings) == [1]
+                negate_oracle_embeddings(oracle)
+                synced = True
+                assert llm.reset_prefix_cache(reset_running_requests=True)
+                llm.wake_up(tags=["scheduling"])
+        c = outs["sync-mid"].outputs[0]
+        (at,) = c.auxout_routes_reset_at
+        assert outs["sync-mid"].kv_transfer_params["auxout_routes_reset_at"] == [at]
+        assert getattr(outs["sync-before"].outputs[0], "auxout_routes_reset_at", None) is None
+        tokens = prompt + list(c.token_ids)
+        assert len(prompt) <= at < len(tokens) - 2, at  # the sync hit it while decoding
+        new = oracle.routes(tokens)[: len(tokens) - 1]
+        negate_oracle_embeddings(oracle)
+        old = oracle.routes(tokens)[: len(tokens) - 1]
+        synced = False
+        got = np.sort(c.routed_experts, axis=-1)
+        assert np.array_equal(got[:at], np.sort(old[:at], axis=-1)), "rows before the sync must be the old weights'"
+        assert np.array_equal(got[at:], np.sort(new[at:], axis=-1)), "rows from the sync on must be the new weights'"
+        assert not np.array_equal(np.sort(old[at:], -1), np.sort(new[at:], -1))  # (the update rerouted them)
+    finally:
+        assert llm.collective_rpc(negate_embeddings) == [1]  # the checkpoint's weights again
+        assert llm.reset_prefix_cache()
+        if synced:
+            negate_oracle_embeddings(oracle)

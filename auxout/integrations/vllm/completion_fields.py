@@ -1,7 +1,8 @@
 """auxout's per-request output fields on each completion, in vLLM's frontend.
 
 The engine core reports a request's route manifest (keys-only output), its recomputed prefix
-tokens and the reason its rows came inline in that request's ``kv_transfer_params``. With
+tokens, the reason its rows came inline and where a prefix-cache reset hit it in that request's
+``kv_transfer_params``. With
 ``n > 1`` vLLM runs one engine request per completion but keeps one ``kv_transfer_params`` per
 ``RequestOutput``, the last finishing child's: every other completion would be handed a
 sibling's manifest. :func:`install_completion_fields` (frontend process) copies those fields
@@ -14,9 +15,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from auxout.integrations.vllm.options import INLINE_REASON_FIELD, MANIFEST_FIELD, RECOMPUTED_FIELD
+from auxout.integrations.vllm.options import (
+    INLINE_REASON_FIELD,
+    MANIFEST_FIELD,
+    RECOMPUTED_FIELD,
+    RESET_AT_FIELD,
+)
 
-COMPLETION_FIELDS = (MANIFEST_FIELD, RECOMPUTED_FIELD, INLINE_REASON_FIELD)
+COMPLETION_FIELDS = (MANIFEST_FIELD, RECOMPUTED_FIELD, INLINE_REASON_FIELD, RESET_AT_FIELD)
 _KV_PARAMS_ARG = 4  # make_request_output(new_token_ids, pooling_output, finish_reason, stop_reason, kv_transfer_params, ...)
 _INSTALLED = False
 

@@ -34,6 +34,7 @@ from auxout.integrations.vllm.options import (
     OUTPUT_FLAG,
     RECOMPUTED_FIELD,
     REQUEST_FLAG,
+    RESET_AT_FIELD,
     SHARED_STORES,
     WEIGHTS_FLAG,
     WEIGHTS_SPLIT,
@@ -427,7 +428,8 @@ class AuxoutScheduler(Scheduler):
             )  # fmt: skip
         if self.auxout.failed:
             self._fail_requests(outputs)
-        if self.auxout.manifests or self.auxout.connector.inline_fallbacks or self.auxout.recomputed:
+        conn = self.auxout.connector
+        if self.auxout.manifests or conn.inline_fallbacks or self.auxout.recomputed or conn.reset_at:
             self._attach_manifests(outputs)
         return outputs
 
@@ -444,7 +446,10 @@ class AuxoutScheduler(Scheduler):
                 reason = self.auxout.connector.inline_fallbacks.pop(out.request_id, None)
                 if reason is not None:  # keys-only asked, rows inline: say why
                     out.kv_transfer_params = {**(out.kv_transfer_params or {}), INLINE_REASON_FIELD: reason}
-        for pending in (self.auxout.manifests, self.auxout.recomputed):
+                if out.finish_reason is not None and out.request_id in self.auxout.connector.reset_at:
+                    at = self.auxout.connector.reset_at.pop(out.request_id)  # a weight sync mid-request
+                    out.kv_transfer_params = {**(out.kv_transfer_params or {}), RESET_AT_FIELD: at}
+        for pending in (self.auxout.manifests, self.auxout.recomputed, self.auxout.connector.reset_at):
             for rid in [r for r in pending if r not in self.requests]:
                 del pending[rid]
 
