@@ -19,6 +19,8 @@ def fields(extra, **kw):
 
 def test_defaults_and_good_values():
     assert fields({}) == {"format": "npy"}
+    keys_server = VllmOptions(store="redis", output="keys", store_options={"url": "redis://h", "namespace": "n"})
+    assert fields({"routed_experts_session": "s"}, output_flag="inline", options=keys_server)["session"] == "s"
     assert fields({"routed_experts_format": "packed", "routed_experts_session": "s"}) == {"format": "packed", "session": "s"}
     assert fields({}, output_flag="keys", options=REDIS) == {"format": "npy"}
 
@@ -36,6 +38,10 @@ def test_defaults_and_good_values():
         ({"return_routing_weights": 1}, {}, "return_routing_weights"),
         ({"return_routing_weights": True}, {}, "return_routing_weights"),
         ({}, {"output_flag": "keys"}, "routed_experts_output"),
+        # a session sends deltas inline; keys-only output would never advance it
+        ({"routed_experts_session": "s"}, {"output_flag": "keys", "options": REDIS}, "routed_experts_session"),
+        ({"routed_experts_session": "s"}, {"options": VllmOptions(store="redis", output="keys", store_options={
+            "url": "redis://h", "namespace": "n"})}, "routed_experts_session"),
     ],
 )
 def test_bad_fields_name_themselves(extra, kw, field):

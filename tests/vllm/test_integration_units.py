@@ -240,7 +240,7 @@ def test_every_route_field_has_one_place_over_http():
 
     assert not set(TOP_LEVEL) & set(IN_XARGS)
     good = {"prompt": [1, 2], "routed_experts_prompt_start": 1, "routed_experts_format": "packed",
-            "vllm_xargs": {"return_routed_experts": False, "routed_experts_output": "inline"}}  # fmt: skip
+            "vllm_xargs": {"return_routed_experts": True, "routed_experts_output": "inline"}}  # fmt: skip
     assert body_problem(good) is None
     for name in TOP_LEVEL:
         problem = body_problem({"prompt": [1], "vllm_xargs": {name: 1}})
@@ -258,6 +258,8 @@ def test_every_route_field_has_one_place_over_http():
             field, message = body_problem({"prompt": [1], **bad}) or ("", "")
             assert field == where + typo and f"did you mean {name}?" in message, (field, message)
     assert body_problem({"prompt": [1], "logprobs": 1, "vllm_xargs": {"my_flag": 1}}) is None  # not ours
+    field, message = body_problem({"prompt": [1], "vllm_xargs": {"auxout_http": {"session": "s"}}}) or ("", "")
+    assert field == "vllm_xargs.auxout_http" and "internal" in message
 
 
 def test_apis_without_routes_name_the_route_field_they_would_ignore():
@@ -286,7 +288,7 @@ def test_token_in_token_out_api_checks_route_fields_where_it_reads_them():
         return got
 
     ok = {"sampling_params": {"max_tokens": 2, "routed_experts_prompt_start": 1,
-                              "extra_args": {"return_routed_experts": False, "routed_experts_output": "inline"}}}
+                              "extra_args": {"return_routed_experts": True, "routed_experts_output": "inline"}}}
     assert tokens_api_problem({"token_ids": [1], **ok}) is None and tokens_api_problem([1]) is None
     assert tokens_api_problem({"token_ids": [1], "sampling_params": {"extra_args": {"my_flag": 1}}}) is None
     for bad in (True, 2.0, "3", -1):
@@ -304,6 +306,20 @@ def test_token_in_token_out_api_checks_route_fields_where_it_reads_them():
                         ({"routed_experts_output": "rows"}, "routed_experts_output"),
                         ({"return_routed_expert": False}, "return_routed_expert")):
         assert problem({"sampling_params": {"extra_args": extra}})[0] == f"sampling_params.extra_args.{name}"
+    # one level off inside sampling_params: named, never ignored (the opt-out was ignored)
+    for name in ("return_routed_experts", "routed_experts_output", "return_routing_weights",
+                 "routed_experts_session", "routed_experts_format"):
+        field, message = problem({"sampling_params": {name: False}})
+        assert field == f"sampling_params.{name}" and "is not read there" in message, message
+    assert "set sampling_params.extra_args.return_routed_experts" in problem(
+        {"sampling_params": {"return_routed_experts": False}})[1]
+    field, message = problem({"sampling_params": {}, "vllm_xargs": {"return_routed_experts": False}})
+    assert field == "vllm_xargs" and "sampling_params.extra_args" in message
+    assert tokens_api_problem({"token_ids": [1], "vllm_xargs": {"my_flag": 1}}) is None  # not ours
+    # the server's internal field is never taken from a client (it switched a session on)
+    field, message = problem({"sampling_params": {"extra_args": {"auxout_http": {"session": "s"}}}})
+    assert field == "sampling_params.extra_args.auxout_http" and "internal" in message
+    assert problem({"sampling_params": {"routed_experts_prompt_start": 10**30}})[0].endswith("prompt_start")
 
 
 def test_a_prompt_filling_the_context_is_named_in_every_openai_server():

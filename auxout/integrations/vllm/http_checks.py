@@ -40,6 +40,9 @@ TOP_LEVEL = (PROMPT_START, FORMAT_FIELD, SESSION_FIELD, WEIGHTS_FLAG)
 IN_XARGS = (REQUEST_FLAG, OUTPUT_FLAG)
 """auxout's fields that go in ``vllm_xargs`` (vLLM's per-request ``extra_args``)."""
 _KNOWN = (*TOP_LEVEL, *IN_XARGS)
+INTERNAL_KEY = "auxout_http"
+"""The ``extra_args`` entry through which the server hands a request's route fields to its own
+response code: never accepted from a client."""
 _CHECKED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/chat/completions/batch", "/invocations")
 """APIs whose bodies carry auxout's fields as documented (``/invocations``: SageMaker's entry,
 which hands the body to the completions or chat API)."""
@@ -82,6 +85,8 @@ def body_problem(body: object) -> tuple[str, str] | None:
         return misspelt
     if not isinstance(xargs, dict):
         return None
+    if INTERNAL_KEY in xargs:
+        return f"vllm_xargs.{INTERNAL_KEY}", f"vllm_xargs.{INTERNAL_KEY} is auxout's internal field, not a request field"
     for name in TOP_LEVEL:
         if name in xargs:
             return f"vllm_xargs.{name}", (
@@ -135,17 +140,33 @@ def tokens_api_problem(body: object) -> tuple[str, str] | None:
                 else elsewhere
             )  # fmt: skip
             return name, f"{name} is not read at the top level of a /inference/v1/generate body: {place}"
+    xargs = body.get("vllm_xargs")
+    if isinstance(xargs, dict) and any(
+        isinstance(n, str) and (n in _KNOWN or n == INTERNAL_KEY or misspelt_route_field(n, _KNOWN)) for n in xargs
+    ):
+        return "vllm_xargs", (
+            "vllm_xargs is not read by /inference/v1/generate: set the flags in sampling_params.extra_args"
+        )
     params = body.get("sampling_params")
     if not isinstance(params, dict):
         return None  # vLLM answers it
     start = params.get(PROMPT_START)
-    if start is not None and (isinstance(start, bool) or not isinstance(start, int) or start < 0):
+    if start is not None and (isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < 2**63):
         field = f"sampling_params.{PROMPT_START}"
         return field, f"{field} must be a non-negative JSON integer, got {json.dumps(start)}"
+    for name in params:  # (sampling_params takes only the prompt start; flags go in its extra_args)
+        if not isinstance(name, str) or name == PROMPT_START:
+            continue
+        if name in _KNOWN or misspelt_route_field(name, _KNOWN) is not None:
+            field = f"sampling_params.{name}"
+            place = f"set sampling_params.extra_args.{name}" if name in IN_XARGS else elsewhere
+            return field, f"{field} is not read there: {place}"
     extra = params.get("extra_args")
     if not isinstance(extra, dict):
         return None
     where = "sampling_params.extra_args."
+    if INTERNAL_KEY in extra:
+        return where + INTERNAL_KEY, f"{where}{INTERNAL_KEY} is auxout's internal field, not a request field"
     for name in extra:
         if name in (FORMAT_FIELD, SESSION_FIELD, WEIGHTS_FLAG):
             return where + name, f"{where}{name}: {elsewhere}"

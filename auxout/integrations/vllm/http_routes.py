@@ -34,7 +34,13 @@ from typing import Any
 import numpy as np
 
 from auxout.integrations.vllm.completion_fields import completion_field
-from auxout.integrations.vllm.http_checks import FORMAT_FIELD, PROMPT_START, SESSION_FIELD, TOP_LEVEL
+from auxout.integrations.vllm.http_checks import (
+    FORMAT_FIELD,
+    INTERNAL_KEY,
+    PROMPT_START,
+    SESSION_FIELD,
+    TOP_LEVEL,
+)
 from auxout.integrations.vllm.options import (
     INLINE_REASON_FIELD,
     MANIFEST_FIELD,
@@ -57,7 +63,7 @@ WEIGHTS_FIELD = WEIGHTS_FLAG
 START_FIELD = "routed_experts_start"
 INLINE_REASON_OUT_FIELD = "routed_experts_inline_reason"
 MANIFEST_OUT_FIELD = "routed_experts_manifest"
-_PARAMS_KEY = "auxout_http"
+_PARAMS_KEY = INTERNAL_KEY
 """``SamplingParams.extra_args`` key carrying the checked HTTP fields from the request to ``generate``."""
 MAX_SESSION_ID_CHARS = 256
 
@@ -81,6 +87,10 @@ def check_route_fields(extra: dict[str, Any], *, n: int, prompt_start: int, use_
         if prompt_start:
             raise _FieldError(SESSION_FIELD, f"{SESSION_FIELD} and routed_experts_prompt_start are exclusive: "
                               "the session decides where routes start")
+        if (output_flag if output_flag is not None else options.output) == "keys":
+            raise _FieldError(SESSION_FIELD, f"{SESSION_FIELD} sends the rows a client lacks, inline, and keys-only "
+                              "output sends a manifest of the whole history instead: ask for inline rows "
+                              f'("vllm_xargs": {{"{OUTPUT_FLAG}": "inline"}}) or leave {SESSION_FIELD} out')
         fields["session"] = session
     weights = extra.get(WEIGHTS_FIELD, False)
     if not isinstance(weights, bool):
