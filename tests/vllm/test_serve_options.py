@@ -39,6 +39,7 @@ def test_user_additional_config_and_env_are_honoured():
                                  "namespace": "a", "max_bytes": 1 << 20}  # fmt: skip
     # the same value from two sources is fine
     vllm_argv(["/m", "--auxout-store", "redis", "--additional-config", json.dumps(user)])
+    vllm_argv(["/m", "--auxout-store", "redis", "--auxout-store=redis", "--additional-config", json.dumps(user)])
 
 
 @pytest.mark.parametrize(
@@ -60,6 +61,14 @@ def test_user_additional_config_and_env_are_honoured():
         (["/m"], '{"nonsense": 1}', "nonsense"),
         (["/m"], "{not json", "AUXOUT_VLLM_OPTIONS"),
         (["/m", "--additional-config", "{bad"], None, "--additional-config"),
+        # the same flag twice (argparse kept the last, silently)
+        (["/m", "--auxout-store", "shm", "--auxout-store", "arena"], None, "--auxout-store is given twice, 'shm' and 'arena'"),
+        (["/m", "--auxout-namespace=a", "--auxout-namespace", "b"], None, "--auxout-namespace is given twice"),
+        # store option values, before any engine starts (they failed in the worker, 30-70 s later)
+        (["/m", "--auxout-store", "redis", "--auxout-store-options",
+          '{"url": "redis://h", "namespace": "n", "timeout": -1}'], None, "'timeout' must be positive seconds, got -1"),
+        (["/m", "--auxout-store", "redis", "--auxout-store-options",
+          '{"url": "redis://h", "namespace": "n", "retry_after": "3"}'], None, "'retry_after' must be non-negative"),
     ],
 )
 def test_bad_options_fail_at_parse_time_naming_the_option(argv, env, needle):

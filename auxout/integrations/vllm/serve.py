@@ -183,7 +183,25 @@ def vllm_argv(argv: Sequence[str], env: str | None = None) -> list[str]:
     return argv
 
 
+def _repeated_flag(argv: Sequence[str]) -> str | None:
+    """The first ``--auxout-*`` flag given twice with different values (argparse keeps the last)."""
+    seen: dict[str, str] = {}
+    for i, arg in enumerate(argv):
+        if not arg.startswith("--auxout-"):
+            continue
+        name, eq, value = arg.partition("=")
+        if not eq:
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+        if name in seen and seen[name] != value:
+            return f"{name} is given twice, {seen[name]!r} and {value!r}: give it once"
+        seen[name] = value
+    return None
+
+
 def _split(argv: Sequence[str], env: str | None) -> tuple[list[str], argparse.Namespace]:
+    repeated = _repeated_flag(argv)
+    if repeated is not None:
+        raise ServeArgumentError(repeated)
     ours, rest = auxout_parser().parse_known_args(list(argv))
     stray = [a for a in rest if a.startswith("--auxout")]
     if stray:
