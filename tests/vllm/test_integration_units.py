@@ -75,6 +75,9 @@ def test_request_flag_normalization_and_check():
             check_request_flag(SamplingParams(extra_args={"return_routed_experts": bad}), flag_as_int=False)
     with pytest.raises(VLLMValidationError, match="top-level"):
         check_request_flag(SamplingParams(extra_args={"routed_experts_prompt_start": 3}))
+    with pytest.raises(VLLMValidationError, match="routed_experts_prompt_start=3 asks for routes"):
+        check_request_flag(SamplingParams(routed_experts_prompt_start=3, extra_args={"return_routed_experts": False}))
+    check_request_flag(SamplingParams(routed_experts_prompt_start=0, extra_args={"return_routed_experts": False}))
     with pytest.raises(VLLMValidationError, match="shared|reach"):
         check_request_flag(SamplingParams(extra_args={"routed_experts_output": "keys"}), store="arena")
     check_request_flag(SamplingParams(extra_args={"routed_experts_output": "keys"}), store="redis")
@@ -260,6 +263,19 @@ def test_every_route_field_has_one_place_over_http():
     assert body_problem({"prompt": [1], "logprobs": 1, "vllm_xargs": {"my_flag": 1}}) is None  # not ours
     field, message = body_problem({"prompt": [1], "vllm_xargs": {"auxout_http": {"session": "s"}}}) or ("", "")
     assert field == "vllm_xargs.auxout_http" and "internal" in message
+    # a route field with the opt-out contradicts it, and a session with any prompt start (0 too)
+    off = {"return_routed_experts": False}
+    for name, value in (("routed_experts_prompt_start", 0), ("routed_experts_prompt_start", 4),
+                        ("routed_experts_format", "npy"), ("routed_experts_session", "s"),
+                        ("return_routing_weights", True)):
+        field, message = body_problem({"prompt": [1], name: value, "vllm_xargs": off}) or ("", "")
+        assert field == name and "return_routed_experts=false" in message, (name, field, message)
+    assert body_problem({"prompt": [1], "return_routing_weights": False, "vllm_xargs": off}) is None
+    assert body_problem({"prompt": [1], "vllm_xargs": {"return_routed_experts": True}, TOP_LEVEL[0]: 3}) is None
+    for xargs in ({}, {"vllm_xargs": off}, {"vllm_xargs": "x"}):
+        field, message = body_problem({"prompt": [1], "routed_experts_session": "s",
+                                       "routed_experts_prompt_start": 0, **xargs}) or ("", "")
+        assert field == "routed_experts_session" and "exclusive" in message, (xargs, field, message)
 
 
 def test_apis_without_routes_name_the_route_field_they_would_ignore():
@@ -320,6 +336,9 @@ def test_token_in_token_out_api_checks_route_fields_where_it_reads_them():
     field, message = problem({"sampling_params": {"extra_args": {"auxout_http": {"session": "s"}}}})
     assert field == "sampling_params.extra_args.auxout_http" and "internal" in message
     assert problem({"sampling_params": {"routed_experts_prompt_start": 10**30}})[0].endswith("prompt_start")
+    field, message = problem({"sampling_params": {"routed_experts_prompt_start": 3,
+                                                  "extra_args": {"return_routed_experts": False}}})
+    assert field == "sampling_params.routed_experts_prompt_start" and "extra_args.return_routed_experts" in message
 
 
 def test_a_prompt_filling_the_context_is_named_in_every_openai_server():
@@ -418,7 +437,8 @@ def test_a_server_off_by_default_returns_routes_to_a_request_that_sends_a_route_
                    {"routed_experts_prompt_start": 0}, {"return_routing_weights": True}):
         assert flag(**fields) is True, fields
     assert flag({"routed_experts_output": "inline"}) is True
-    assert flag({"return_routed_experts": False}, routed_experts_format="packed") is False  # explicit opt-out wins
+    # (the server's body check refuses this contradiction before it gets here: test_server_api)
+    assert flag({"return_routed_experts": False}, routed_experts_format="packed") is False
     # beam search gives no beam its routes: refused for a request that asks for them, here by a session
     responder.check_beam_search(CompletionRequest(model="m", prompt=[1], use_beam_search=True))
     with pytest.raises(VLLMValidationError, match="use_beam_search"):

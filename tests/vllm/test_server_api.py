@@ -164,6 +164,30 @@ def test_session_restarts_where_history_differs(server, oracle):
     check(oracle, edited + c2["token_ids"], decode_routes(c2), 20)
 
 
+def test_a_session_turn_the_client_never_read_is_recovered_with_a_prompt_start(server, oracle):
+    """A response the client lost still counts as delivered; the README's recovery (the turn again
+    without the session, from the rows held) and the session's next turn give every row exactly."""
+    rng = np.random.default_rng(89)
+    sid = {"routed_experts_session": "s-lost"}
+    p1 = random_prompt(rng, 40)
+    c1 = server.post("/v1/completions", json=body(server, prompt=p1, max_tokens=3, **sid)).json()["choices"][0]
+    held = decode_routes(c1)
+    p2 = p1 + c1["token_ids"] + random_prompt(rng, 30)
+    server.post("/v1/completions", json=body(server, prompt=p2, max_tokens=3, **sid))  # the answer is lost
+    retry = server.post("/v1/completions", json=body(server, prompt=p2, max_tokens=3, **sid)).json()["choices"][0]
+    assert retry["routed_experts_start"] > len(held)  # the session thinks the client holds turn 2
+    again = server.post(
+        "/v1/completions", json=body(server, prompt=p2, max_tokens=3, routed_experts_prompt_start=len(held))
+    ).json()["choices"][0]
+    assert again["routed_experts_start"] == len(held)
+    held = np.concatenate([held, decode_routes(again)])
+    p3 = p2 + again["token_ids"] + random_prompt(rng, 20)
+    c3 = server.post("/v1/completions", json=body(server, prompt=p3, max_tokens=3, **sid)).json()["choices"][0]
+    start = c3["routed_experts_start"]
+    assert start <= len(held)
+    check(oracle, p3 + c3["token_ids"], np.concatenate([held[:start], decode_routes(c3)]), 0)
+
+
 @pytest.mark.parametrize("session", [None, "stream-s"])
 def test_streamed_completion_rows_concatenate_to_the_full_array(server, oracle, session):
     rng = np.random.default_rng(81)
@@ -290,6 +314,13 @@ def test_keys_only_over_http_returns_a_manifest(server, oracle):
         ({"routed_experts_session": "x" * 300}, "routed_experts_session"),
         ({"routed_experts_session": "s", "n": 2, "temperature": 1.0}, "routed_experts_session"),
         ({"routed_experts_session": "s", "routed_experts_prompt_start": 3}, "routed_experts_session"),
+        ({"routed_experts_session": "s", "routed_experts_prompt_start": 0}, "routed_experts_session"),
+        # a route field with the opt-out contradicts it: refused naming the field (not answered without routes)
+        ({"routed_experts_prompt_start": 2, "vllm_xargs": {"return_routed_experts": False}},
+         "routed_experts_prompt_start=2 asks for routes"),
+        ({"routed_experts_session": "s", "vllm_xargs": {"return_routed_experts": False}}, "routed_experts_session"),
+        ({"routed_experts_format": "packed", "vllm_xargs": {"return_routed_experts": False}},
+         "routed_experts_format"),
         ({"return_routing_weights": "yes"}, "return_routing_weights"),
         ({"return_routing_weights": 1}, "return_routing_weights"),
         # each field has one place: in the other it is refused, never silently ignored

@@ -84,7 +84,7 @@ def body_problem(body: object) -> tuple[str, str] | None:
     if misspelt is not None:
         return misspelt
     if not isinstance(xargs, dict):
-        return None
+        return _contradiction(body, {}, "", "vllm_xargs.")
     if INTERNAL_KEY in xargs:
         return f"vllm_xargs.{INTERNAL_KEY}", f"vllm_xargs.{INTERNAL_KEY} is auxout's internal field, not a request field"
     for name in TOP_LEVEL:
@@ -93,7 +93,29 @@ def body_problem(body: object) -> tuple[str, str] | None:
                 f"{name} is a top-level field of the request body, not a vllm_xargs entry: "
                 f'send {{"{name}": {json.dumps(xargs[name])}, ...}}'
             )
-    return _flag_problem(xargs, "vllm_xargs.")
+    return _flag_problem(xargs, "vllm_xargs.") or _contradiction(body, xargs, "", "vllm_xargs.")
+
+
+def _contradiction(fields: dict[Any, Any], extra: dict[Any, Any], where: str, flag_where: str) -> tuple[str, str] | None:
+    """A route field sent (a session, a format, a prompt start, weights true) with the opt-out
+    ``return_routed_experts: false``: the request contradicts itself (nothing would say which
+    one the client meant), so it is refused naming the field. And a session with a prompt start
+    (even 0): both decide where rows start."""
+    if fields.get(SESSION_FIELD) is not None and fields.get(PROMPT_START) is not None:
+        return where + SESSION_FIELD, (
+            f"{where}{SESSION_FIELD} and {where}{PROMPT_START} are exclusive (the session decides where routes "
+            "start): send one of the two"
+        )
+    if extra.get(REQUEST_FLAG) is not False:
+        return None
+    for name in TOP_LEVEL:
+        value = fields.get(name)
+        if value is not None and (name != WEIGHTS_FLAG or value is True):
+            return where + name, (
+                f"{where}{name}={json.dumps(value)} asks for routes that {flag_where}{REQUEST_FLAG}=false turns "
+                "off: drop one of the two"
+            )
+    return None
 
 
 def _flag_problem(extra: dict[Any, Any], where: str) -> tuple[str, str] | None:
@@ -173,7 +195,7 @@ def tokens_api_problem(body: object) -> tuple[str, str] | None:
     misspelt = _misspelt(extra, where)
     if misspelt is not None:
         return misspelt
-    return _flag_problem(extra, where)
+    return _flag_problem(extra, where) or _contradiction(params, extra, "sampling_params.", where)
 
 
 def no_routes_problem(path: str, body: object) -> tuple[str, str] | None:

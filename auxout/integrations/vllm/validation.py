@@ -133,6 +133,12 @@ def check_request_flag(
         setattr(params, PROMPT_START, start)
     if start is not None and (isinstance(start, bool) or not isinstance(start, int) or start < 0):
         raise _error(f"{PROMPT_START} must be a non-negative integer, got {start!r}", PROMPT_START, start)
+    if start and normalize_flag(extra.get(REQUEST_FLAG)) is False:
+        raise _error(
+            f"{PROMPT_START}={start} asks for routes that {REQUEST_FLAG}=false turns off: drop one of the two",
+            PROMPT_START,
+            start,
+        )
 
 
 def _fields_asking(extra: dict[str, Any], as_int: bool) -> list[str]:
