@@ -343,7 +343,8 @@ class ReplayContext:
                 f"MoE layer {moe_index} got {rows} token rows, not a multiple of the routes' batch size {b}"
             )
         t = rows // b
-        if torch._C._current_graph_task_id() != -1:  # inside backward(): a checkpoint recompute
+        recompute = torch._C._current_graph_task_id() != -1
+        if recompute:  # inside backward(): a checkpoint recompute
             pending = self._pending[moe_index]
             if not pending or pending[0][1] != t:
                 raise ValueError(
@@ -369,7 +370,9 @@ class ReplayContext:
         r, sent = self._device_routes[device]
         idx = r[:, pos : pos + t, moe_index, :].reshape(rows, -1)
         fallback = sent[:, pos : pos + t, moe_index].reshape(rows)
-        if self.valid_mask is None:
+        if recompute:  # (its rows were counted by the forward it repeats)
+            counted = torch.zeros(rows, dtype=torch.bool, device=device)
+        elif self.valid_mask is None:
             counted = torch.ones(rows, dtype=torch.bool, device=device)
         else:
             counted = self.valid_mask[:, pos : pos + t].reshape(rows).to(device)

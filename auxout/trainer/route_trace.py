@@ -32,6 +32,20 @@ def is_index(value: object) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, np.integer))
 
 
+def _as_start(value: object, name: str) -> int:
+    """A prompt start as a Python int (``1.7``, ``True`` or ``"1"`` would silently shift the rows)."""
+    if not is_index(value):
+        raise RouteTraceError(f"{name} must be an integer position, got {value!r}")
+    return int(value)  # type: ignore[call-overload]
+
+
+def _signed(dtype: Any) -> np.dtype:
+    out = np.dtype(dtype)
+    if out.kind != "i":
+        raise RouteTraceError(f"dtype must be a signed integer type (padding is {SENTINEL}), got {out}")
+    return out
+
+
 def _as_routes(a: Any, name: str = "routed_experts") -> np.ndarray:
     r = np.asarray(a)
     if r.dtype.kind not in "iu":
@@ -91,7 +105,7 @@ class RouteTrace:
         Positions before ``prompt_start`` (rows the caller asked the engine to skip) stay uncovered
         (-1, ``covered`` False): ``check_complete`` names them; stitch earlier turns to fill them."""
         p, o = _as_tokens(prompt_ids, "prompt_ids"), _as_tokens(output_ids, "output_ids")
-        turn = Turn(np.concatenate([p, o]), _as_routes(routed_experts), int(prompt_start))
+        turn = Turn(np.concatenate([p, o]), _as_routes(routed_experts), _as_start(prompt_start, "prompt_start"))
         return cls.stitch([turn], prompt_len=len(p), allow_gaps=True)
 
     @classmethod
@@ -106,7 +120,10 @@ class RouteTrace:
         """
         if not turns:
             raise RouteTraceError("no turns to stitch")
-        ts = [t if isinstance(t, Turn) else Turn(_as_tokens(t[0]), _as_routes(t[1]), int(t[2])) for t in turns]
+        ts = [
+            t if isinstance(t, Turn) else Turn(_as_tokens(t[0]), _as_routes(t[1]), _as_start(t[2], f"turn {k} prompt_start"))
+            for k, t in enumerate(turns)
+        ]
         shape = ts[0].routes.shape[1:]
         final = _as_tokens(ts[-1].tokens)
         s = len(final)
@@ -230,10 +247,7 @@ def pad_batch(traces: Sequence[RouteTrace], side: str = "right", length: int | N
     b = len(traces)
     ids = np.full((b, s), pad_token, dtype=np.int64)
     mask = np.zeros((b, s), dtype=np.int64)
-    out = np.dtype(dtype)
-    if out.kind != "i":
-        raise RouteTraceError(f"dtype must be a signed integer type (padding is {SENTINEL}), got {out}")
-    routes = np.full((b, s, *lk), SENTINEL, dtype=out)
+    routes = np.full((b, s, *lk), SENTINEL, dtype=_signed(dtype))
     for i, t in enumerate(traces):
         n = len(t.tokens)
         sl = slice(0, n) if side == "right" else slice(s - n, s)
@@ -251,17 +265,20 @@ def pack(traces: Sequence[RouteTrace], dtype: Any = np.int16) -> tuple[np.ndarra
     """Packed (THD) layout: ``(input_ids [T], position_ids [T], cu_seqlens [B+1], routes [T, L, K])``."""
     if not traces:
         raise RouteTraceError("empty batch")
+    out = _signed(dtype)  # (uncovered rows are -1)
     lens = np.array([len(t.tokens) for t in traces])
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     ids = np.concatenate([t.tokens for t in traces])
     pos = np.concatenate([np.arange(n) for n in lens]).astype(np.int64)
-    routes = np.concatenate([t.routes for t in traces]).astype(dtype)
+    routes = np.concatenate([t.routes for t in traces]).astype(out)
     return ids, pos, cu, routes
 
 
 def unpack(routes: np.ndarray, cu_seqlens: np.ndarray) -> list[np.ndarray]:
     """Inverse of :func:`pack`: split ``[T, L, K]`` at ``cu_seqlens``."""
     cu = np.asarray(cu_seqlens)
+    if cu.ndim != 1 or len(cu) == 0 or cu.dtype.kind not in "iu":
+        raise RouteTraceError(f"cu_seqlens must be a non-empty 1-D integer array, got {cu.dtype} {cu.shape}")
     if cu[0] != 0 or cu[-1] != len(routes) or np.any(np.diff(cu) < 0):
         raise RouteTraceError(f"cu_seqlens {cu.tolist()} do not partition {len(routes)} rows")
     return [np.asarray(routes)[cu[i] : cu[i + 1]] for i in range(len(cu) - 1)]

@@ -3,7 +3,10 @@
 Rolls out in bfloat16 (vLLM with auxout's routes, or transformers), then runs the training forward
 in float32 with and without :func:`auxout.trainer.hf.replay`, and reports top-k set agreement per
 (token, layer), per-layer disagreement, and k3 KL / max |log-ratio| between rollout and training
-logprobs. With replay the agreement must be exactly 100%; the exit code is 1 otherwise.
+logprobs. With replay the agreement must be exactly 100%, and without replay at least
+``MIN_OWN_AGREEMENT`` (routes that do not belong to these tokens, e.g. shifted by a position or
+taken from other weights, would still be replayed 100%: only the model's own routing tells); the
+exit code is 1 otherwise, and 1 with the reason where replay refuses the rollout's routes.
 """
 
 from __future__ import annotations
@@ -22,6 +25,10 @@ import numpy as np
 from auxout.models import ARCHS
 
 ROLLOUTS = ("auto", "vllm", "hf-bf16")
+MIN_OWN_AGREEMENT = 0.5
+"""Least fraction of (token, layer) top-k sets the training forward, without replay, must share with
+the rollout's routes. Rollout and training run the same weights, so only numerics differ: a few
+percent of sets flip (bf16 against fp32). Misaligned or foreign routes share almost none."""
 
 
 @dataclass
@@ -271,7 +278,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI entry (``auxout verify ...``); exit 0 iff replay makes rollout and training routes agree 100%."""
+    """CLI entry (``auxout verify ...``); exit 0 iff replay makes rollout and training routes agree 100%
+    and the routes are the model's own (see ``MIN_OWN_AGREEMENT``)."""
+    from auxout.trainer.hf import InvalidRoutesError
+    from auxout.trainer.route_trace import RouteTraceError
+
     parser = _parser()
     args = parser.parse_args(list(argv) if argv is not None else None)
     if args.model is not None and not Path(args.model).is_dir():
@@ -280,6 +291,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = run(args)
     except ModelNotVerifiable as exc:
         parser.error(str(exc))
+    except (RouteTraceError, InvalidRoutesError) as exc:  # the rollout's routes do not fit its tokens
+        print(f"auxout verify: FAILED: replay refused the rollout's routes: {exc}")
+        return 1
     out = Path(args.out)
     os.makedirs(out, exist_ok=True)
     (out / "verify.json").write_text(json.dumps(report, indent=2))
@@ -292,4 +306,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"  with replay:    agreement {r['agreement']:.4%}  k3 KL {r['kl_k3']:.3e}  "
           f"max|log-ratio| {r['max_abs_log_ratio']:.3e}")
     print(f"  wrote {out / 'verify.json'} and {out / 'disagreement.png'}")
-    return 0 if r["agreement"] == 1.0 else 1
+    ok = True
+    if r["agreement"] != 1.0:
+        print("auxout verify: FAILED: with replay the training forward did not take every rollout route")
+        ok = False
+    if w["agreement"] < MIN_OWN_AGREEMENT:
+        print(f"auxout verify: FAILED: without replay only {w['agreement']:.2%} of the (token, layer) top-k sets "
+              f"agree with the rollout's routes (at least {MIN_OWN_AGREEMENT:.0%} expected for the same weights): "
+              "the routes do not belong to these tokens (shifted, reordered, or from other weights)")
+        ok = False
+    return 0 if ok else 1

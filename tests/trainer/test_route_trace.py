@@ -192,3 +192,16 @@ def test_pad_batch_and_truncate_name_their_bad_argument():
         with pytest.raises(RouteTraceError, match=rf"max_len must be a non-negative int, got {bad!r}"):
             tr.truncate(bad)  # type: ignore[arg-type]
     assert len(tr.truncate(0).tokens) == 0 and len(tr.truncate(99).tokens) == 10
+    for dtype in (np.uint8, np.float32):  # pack pads nothing, but uncovered rows are -1 (uint8: 255)
+        with pytest.raises(RouteTraceError, match=r"dtype must be a signed integer type"):
+            pack([tr], dtype=dtype)
+    for cu in (np.array([]), np.array([[0, 9]]), np.array([0.0, 9.0])):
+        with pytest.raises(RouteTraceError, match="cu_seqlens must be a non-empty 1-D integer array"):
+            unpack(tr.routes, cu)
+    toks, rows = tr.tokens, tr.routes[:-1]
+    for bad in (1.7, True, "1", None):  # (1.7 became 1: every row one position off)
+        with pytest.raises(RouteTraceError, match=f"prompt_start must be an integer position, got {bad!r}"):
+            RouteTrace.from_output(toks[:4], toks[4:], rows[1:], prompt_start=bad)  # type: ignore[arg-type]
+        with pytest.raises(RouteTraceError, match="turn 0 prompt_start must be an integer"):
+            RouteTrace.stitch([(toks, rows[1:], bad)])
+    assert RouteTrace.from_output(toks[:4], toks[4:], rows[1:], prompt_start=np.int64(1)).covered[1:-1].all()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -9,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import build_tiny
 
@@ -40,6 +42,32 @@ def test_verify_hf_bf16_end_to_end(tiny_path, tmp_path, capsys):
     assert r["fallback_rows"] == 2 * 2  # only each sequence's last token (no route returned) per layer
     assert r["kl_k3"] >= 0 and r["max_abs_log_ratio"] > 0
     assert "with replay:    agreement 100.0000%" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "corrupt, says",
+    [
+        (lambda r: np.roll(r, 1, axis=0), "do not belong to these tokens"),  # off by one position
+        (lambda r: (r + 1) % 8, "do not belong to these tokens"),  # other experts (8 in this model)
+        (lambda r: np.zeros_like(r), "replay refused the rollout's routes"),  # zero-filled (vllm#44214)
+        (lambda r: r[:-3], "replay refused the rollout's routes"),  # rows missing
+    ],
+)
+def test_routes_that_are_not_the_rollouts_fail(tiny_path, tmp_path, capsys, monkeypatch, corrupt, says):
+    """Replay forces any well-formed rows, so its 100% alone would pass wrong routes: the model's
+    own routing (without replay) and replay's checks catch them, exit 1 with the reason."""
+    import auxout.trainer.verify as verify
+
+    real = verify.rollout_hf_bf16
+
+    def corrupted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        return [dataclasses.replace(r, routes=corrupt(r.routes)) for r in real(*args, **kwargs)]
+
+    monkeypatch.setattr(verify, "rollout_hf_bf16", corrupted)
+    rc = main(["--model", tiny_path, "--rollout", "hf-bf16", "--num-prompts", "1", "--prompt-len", "30",
+               "--max-new-tokens", "20", "--out", str(tmp_path), "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "auxout verify: FAILED" in out and says in out, out
 
 
 @pytest.mark.vllm
