@@ -78,6 +78,9 @@ def test_request_flag_normalization_and_check():
     with pytest.raises(VLLMValidationError, match="routed_experts_prompt_start=3 asks for routes"):
         check_request_flag(SamplingParams(routed_experts_prompt_start=3, extra_args={"return_routed_experts": False}))
     check_request_flag(SamplingParams(routed_experts_prompt_start=0, extra_args={"return_routed_experts": False}))
+    unset = SamplingParams(routed_experts_prompt_start=None)  # None is unset (vLLM's own check compared it)
+    check_request_flag(unset)
+    assert unset.routed_experts_prompt_start == 0
     with pytest.raises(VLLMValidationError, match="shared|reach"):
         check_request_flag(SamplingParams(extra_args={"routed_experts_output": "keys"}), store="arena")
     check_request_flag(SamplingParams(extra_args={"routed_experts_output": "keys"}), store="redis")

@@ -63,15 +63,24 @@ def test_a_route_field_asks_for_routes(llm, oracle, kw, start):
         oracle.check_weights(prompt, c, start)
 
 
-@pytest.mark.parametrize("field, extra", [
-    ("return_routing_weights", {"return_routing_weights": True}),
-    ("routed_experts_output", {"routed_experts_output": "inline"}),
+@pytest.mark.parametrize("field, kw", [
+    ("return_routing_weights", {"extra_args": {"return_routing_weights": True}}),
+    ("routed_experts_output", {"extra_args": {"routed_experts_output": "inline"}}),
+    ("routed_experts_prompt_start", {"routed_experts_prompt_start": 5}),
 ])
-def test_opting_out_while_asking_is_refused_and_the_engine_serves_on(llm, oracle, field, extra):
+def test_opting_out_while_asking_is_refused_and_the_engine_serves_on(llm, oracle, field, kw):
     from vllm.exceptions import VLLMValidationError
 
     prompt = random_prompt(np.random.default_rng(3), 25)
+    extra = {"return_routed_experts": False, **kw.get("extra_args", {})}
     with pytest.raises(VLLMValidationError, match=f"{field}.*return_routed_experts=false"):
-        one(llm, prompt, greedy(4, extra_args={"return_routed_experts": False, **extra}))
+        one(llm, prompt, greedy(4, **{**kw, "extra_args": extra}))
     c = one(llm, prompt, greedy(4, routed_experts_prompt_start=3))
     oracle.check(prompt, c, 3)
+
+
+def test_a_prompt_start_of_none_is_unset(llm, oracle):
+    """``routed_experts_prompt_start=None`` is "not set" (as null over HTTP), not vLLM's TypeError."""
+    prompt = random_prompt(np.random.default_rng(4), 20)
+    c = one(llm, prompt, greedy(3, routed_experts_prompt_start=None, extra_args={"return_routed_experts": True}))
+    oracle.check(prompt, c, 0)

@@ -128,8 +128,9 @@ def check_request_flag(
         if hint is not None:
             raise _error(f"unknown routes field {name} in extra_args / vllm_xargs: {hint}", name, extra[name])
     start = getattr(params, PROMPT_START, 0)
-    if isinstance(start, np.integer):  # (an index from numpy is an integer: passed on as Python's)
-        start = int(start)
+    if isinstance(start, np.integer) or (start is None and hasattr(params, PROMPT_START)):
+        # (an index from numpy is an integer: passed on as Python's; None means unset, as null over HTTP)
+        start = 0 if start is None else int(start)
         setattr(params, PROMPT_START, start)
     if start is not None and (isinstance(start, bool) or not isinstance(start, int) or start < 0):
         raise _error(f"{PROMPT_START} must be a non-negative integer, got {start!r}", PROMPT_START, start)
