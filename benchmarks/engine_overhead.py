@@ -38,7 +38,8 @@ def make_engine(path: str, routes: bool, args: argparse.Namespace) -> Any:
     extra = engine_kwargs() if routes else {"enable_prefix_caching": True}
     return LLM(
         model=path, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, block_size=32,
-        max_model_len=2048, seed=0, max_num_seqs=args.batch, disable_log_stats=True, **extra,
+        max_model_len=2048, seed=0, max_num_seqs=args.batch, disable_log_stats=True,
+        async_scheduling=getattr(args, "async_scheduling", False), **extra,
     )  # fmt: skip
 
 
@@ -108,6 +109,10 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--prompt", type=int, default=256)
     p.add_argument("--gen", type=int, default=128)
+    p.add_argument(
+        "--async-scheduling", action="store_true",
+        help="vLLM's async scheduler (the engine core schedules the next step during the forward)",
+    )  # fmt: skip
 
 
 def main() -> int:
