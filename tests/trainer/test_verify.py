@@ -135,3 +135,19 @@ def test_a_dense_model_is_a_usage_error_before_any_rollout(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "auxout verify: error: --model" in err and "no MoE router" in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_mla_model_on_cpu_rolls_out_with_transformers(tmp_path, capsys):
+    """vLLM-CPU turns prefix caching off for MLA (deepseek_v3): ``--rollout vllm`` is a usage error
+    naming why before any engine starts, and ``auto`` picks the transformers rollout."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU vLLM runs MLA with prefix caching")
+    with pytest.raises(SystemExit) as exc:
+        main(["--arch", "deepseek_v3", "--rollout", "vllm", "--out", str(tmp_path / "a"), "--no-progress"])
+    assert exc.value.code == 2
+    assert "multi-head latent attention" in capsys.readouterr().err
+    rc = main(["--arch", "deepseek_v3", "--num-prompts", "1", "--prompt-len", "16", "--max-new-tokens", "8",
+               "--out", str(tmp_path / "b"), "--no-progress"])
+    assert rc == 0 and _report(tmp_path / "b")["rollout"] == "hf-bf16"
