@@ -78,6 +78,8 @@ def test_request_flag_normalization_and_check():
     with pytest.raises(VLLMValidationError, match="routed_experts_prompt_start=3 asks for routes"):
         check_request_flag(SamplingParams(routed_experts_prompt_start=3, extra_args={"return_routed_experts": False}))
     check_request_flag(SamplingParams(routed_experts_prompt_start=0, extra_args={"return_routed_experts": False}))
+    with pytest.raises(VLLMValidationError, match="did you mean return_routed_experts"):  # camelCase: named
+        check_request_flag(SamplingParams(extra_args={"returnRoutedExperts": False}))
     unset = SamplingParams(routed_experts_prompt_start=None)  # None is unset (vLLM's own check compared it)
     check_request_flag(unset)
     assert unset.routed_experts_prompt_start == 0
@@ -264,6 +266,15 @@ def test_every_route_field_has_one_place_over_http():
             field, message = body_problem({"prompt": [1], **bad}) or ("", "")
             assert field == where + typo and f"did you mean {name}?" in message, (field, message)
     assert body_problem({"prompt": [1], "logprobs": 1, "vllm_xargs": {"my_flag": 1}}) is None  # not ours
+    for camel, meant, where in (("routedExpertsSession", "routed_experts_session", ""),
+                                ("routedExpertsPromptStart", "routed_experts_prompt_start", ""),
+                                ("returnRoutingWeights", "return_routing_weights", ""),
+                                ("returnRoutedExperts", "return_routed_experts", "vllm_xargs."),
+                                ("routed-experts-output", "routed_experts_output", "vllm_xargs.")):
+        bad = {camel: 1} if not where else {"vllm_xargs": {camel: 1}}
+        field, message = body_problem({"prompt": [1], **bad}) or ("", "")
+        assert field == where + camel and f"did you mean {meant}?" in message, (camel, field, message)
+    assert "output field" in (body_problem({"prompt": [1], "routedExperts": 1}) or ("", ""))[1]
     field, message = body_problem({"prompt": [1], "vllm_xargs": {"auxout_http": {"session": "s"}}}) or ("", "")
     assert field == "vllm_xargs.auxout_http" and "internal" in message
     # a route field with the opt-out contradicts it, and a session with any prompt start (0 too)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -55,15 +56,16 @@ def misspelt_route_field(name: str, known: Sequence[str], where: Mapping[str, st
     """What to say about ``name``, a field named like auxout's that is none of ``known`` (a typo
     vLLM would silently ignore); None when it is known or not named like a route field.
     ``where``: for a field meant that belongs in another place, where it goes."""
-    low = name.lower()
-    if name in known or ("routed_expert" not in low and "routing_weight" not in low):
+    squashed = name.lower().replace("_", "").replace("-", "")  # (camelCase and kebab-case too)
+    if name in known or ("routedexpert" not in squashed and "routingweight" not in squashed):
         return None
-    if name == "routed_experts":
+    snake = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower().replace("-", "_")  # routedExperts -> routed_experts
+    if snake == "routed_experts":
         return (
             "routed_experts is the output field: routes come back by default; opt a request out with "
             f"{REQUEST_FLAG}=false (extra_args offline, vllm_xargs over HTTP)"
         )
-    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    close = [snake] if snake in known else difflib.get_close_matches(name, known, n=1, cutoff=0.6)
     if not close:
         return "auxout's fields are " + ", ".join(known)
     place = (where or {}).get(close[0])
