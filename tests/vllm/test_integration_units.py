@@ -275,6 +275,11 @@ def test_every_route_field_has_one_place_over_http():
         field, message = body_problem({"prompt": [1], **bad}) or ("", "")
         assert field == where + camel and f"did you mean {meant}?" in message, (camel, field, message)
     assert "output field" in (body_problem({"prompt": [1], "routedExperts": 1}) or ("", ""))[1]
+    # the offline name of vllm_xargs, ignored by vLLM over HTTP (the opt-out was lost): named
+    for name in (*TOP_LEVEL, *IN_XARGS):
+        field, message = body_problem({"prompt": [1], "extra_args": {name: False}}) or ("", "")
+        assert field == "extra_args" and '"vllm_xargs"' in message, (name, field, message)
+    assert body_problem({"prompt": [1], "extra_args": {"my_flag": 1}}) is None  # not ours
     field, message = body_problem({"prompt": [1], "vllm_xargs": {"auxout_http": {"session": "s"}}}) or ("", "")
     assert field == "vllm_xargs.auxout_http" and "internal" in message
     # a route field with the opt-out contradicts it, and a session with any prompt start (0 too)

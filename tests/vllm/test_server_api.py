@@ -334,6 +334,8 @@ def test_keys_only_over_http_returns_a_manifest(server, oracle):
         ({"routed_experts_sesion": "s"}, "did you mean routed_experts_session"),
         ({"vllm_xargs": {"return_routed_expert": False}}, "did you mean return_routed_experts"),
         ({"routed_experts": True}, "routed_experts is the output field"),
+        ({"routedExpertsSession": "s"}, "did you mean routed_experts_session"),
+        ({"extra_args": {"return_routed_experts": False}}, "over HTTP, per-request flags go in"),
     ],
 )
 def test_bad_new_fields_get_400_naming_the_field(server, oracle, extra, field):

@@ -79,6 +79,12 @@ def body_problem(body: object) -> tuple[str, str] | None:
                 f"{name} is a vllm_xargs entry, not a top-level field of the request body: "
                 f'send {{"vllm_xargs": {{"{name}": {json.dumps(body[name])}}}, ...}}'
             )
+    offline = body.get("extra_args")  # (the offline name: vLLM keeps unknown body fields and ignores them)
+    if isinstance(offline, dict) and any(isinstance(n, str) and misspelt_route_field(n, ()) for n in offline):
+        return "extra_args", (
+            'extra_args is SamplingParams\' name offline; over HTTP, per-request flags go in "vllm_xargs" '
+            f"({', '.join(IN_XARGS)}) and the other route fields at the top level ({', '.join(TOP_LEVEL)})"
+        )
     xargs = body.get("vllm_xargs")
     misspelt = _misspelt(body, "") or _misspelt(xargs if isinstance(xargs, dict) else {}, "vllm_xargs.")
     if misspelt is not None:
