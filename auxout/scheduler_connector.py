@@ -445,7 +445,8 @@ class SchedulerConnector:
 
         A live request keeps the rows it was returned (each position's route as that token was
         processed); vLLM recomputes its KV, and its rows from its delivered cursor on come from
-        the recompute. Where that cursor lies is kept in ``reset_at`` (the weights may differ)."""
+        the recompute: the cursor is kept (a request reset mid chunked prefill would otherwise
+        emit its returned rows again). Where it lies is kept in ``reset_at`` (the weights may differ)."""
         default = (0, self.default_return)
         for rid, done in self._delivered.items():
             start, ret = self._options.get(rid, default)
@@ -456,7 +457,6 @@ class SchedulerConnector:
         self._meta_cache = None
         self._sent.clear()
         self._finished.clear()
-        self._delivered.clear()
         self.index.clear()
 
     def forget(self, request_id: str) -> None:

@@ -117,3 +117,28 @@ def test_a_steady_decode_batch_takes_the_fast_paths_and_stays_exact(llm, oracle)
         oracle.check(p, out.outputs[0])
     after = (worker.lane_prepared, worker.lane_begins, bridge.listed_steps)
     assert all(a - b >= 30 for a, b in zip(after, before)), (before, after)
+
+
+@pytest.mark.parametrize("prompt_start", [0, 130])
+def test_a_prefix_cache_reset_mid_chunked_prefill_returns_each_row_once(llm, oracle, prompt_start):
+    """``reset_prefix_cache(reset_running_requests=True)`` (an RL weight sync) after two 96-token
+    prefill chunks of a 300-token prompt: vLLM recomputes the request from its first token. The
+    rows returned before the reset are kept and the recompute's rows follow them, each position
+    once (the recompute used to emit rows ``[prompt_start, 192)`` a second time)."""
+    rng = np.random.default_rng(43 + prompt_start)
+    prompt = random_prompt(rng, 300)
+    eng = llm.llm_engine
+    rid = f"reset-mid-prefill-{prompt_start}"
+    eng.add_request(rid, {"prompt_token_ids": prompt}, greedy(6, routed_experts_prompt_start=prompt_start))
+    for _ in range(2):
+        assert eng.step() == [], "the prompt was not chunked"  # (in-process: one engine step each)
+    assert eng.reset_prefix_cache(reset_running_requests=True)
+    done = None
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done = out
+    assert done is not None
+    oracle.check(prompt, done.outputs[0], prompt_start=prompt_start)
+    at = getattr(done.outputs[0], "auxout_routes_reset_at", None)
+    assert at == ([192] if prompt_start < 192 else None), at
