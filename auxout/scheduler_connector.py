@@ -117,6 +117,7 @@ class SchedulerConnector:
         self.weights_from_worker = weights_from_worker
         self._keys_unknown = False  # this generation's keys await the worker's weights digest
         self.recomputed_tokens = 0  # prefix-hit tokens recomputed because their routes were unreadable
+        self._recomputed: dict[str, list[tuple[int, int]]] = {}  # per live request: disjoint spans, sorted
         self.recomputed_requests = 0
         self.listed_steps = 0  # steps take_step took by the worker's list of starts (no numpy)
         self.inline_fallbacks: dict[str, str] = {}  # keys-mode requests answered inline, and why (engines pop)
@@ -238,6 +239,7 @@ class SchedulerConnector:
             self._options.pop(rid, None)
             self._delivered.pop(rid, None)
             self._recomputes.pop(rid, None)
+            self._recomputed.pop(rid, None)
             if rid in self._keys_mode:
                 self._keys_mode.discard(rid)
                 assert self.publisher is not None
@@ -464,6 +466,7 @@ class SchedulerConnector:
         self._step_cache = self._meta_cache = None
         self._options.pop(request_id, None)
         self._delivered.pop(request_id, None)
+        self._recomputed.pop(request_id, None)
 
     # -- prefix hits without routes: clip, then recompute ------------------------------------
     def readable_prefix(self, request: SchedRequest, num_hit_tokens: int, num_local_tokens: int | None = None) -> int:
@@ -497,8 +500,27 @@ class SchedulerConnector:
         if ready >= hit_blocks:
             return num_hit_tokens
         clipped = ready * bs
-        self.recomputed_tokens += num_hit_tokens - clipped
+        self.count_recompute(rid, clipped, num_hit_tokens)
         return clipped
+
+    def count_recompute(self, request_id: str, lo: int, hi: int) -> int:
+        """Positions ``[lo, hi)`` of a request's prefix hit are recomputed for lack of routes;
+        returns how many positions of it were, each counted once (an engine asks again for the
+        same hit each time a request waits for KV blocks, and clips local and connector hits
+        separately: a sum would exceed the prompt)."""
+        spans = self._recomputed.setdefault(request_id, [])
+        before = sum(b - a for a, b in spans)
+        if hi > lo:
+            merged: list[tuple[int, int]] = []
+            for a, b in sorted([*spans, (lo, hi)]):
+                if merged and a <= merged[-1][1]:
+                    merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+                else:
+                    merged.append((a, b))
+            spans[:] = merged
+        total = sum(b - a for a, b in spans)
+        self.recomputed_tokens += total - before
+        return total
 
     def _adopt_weights(self, generation: int, weights: str) -> None:
         """The worker keyed ``generation`` by the weights digest ``weights`` ("": by its life token)."""

@@ -602,3 +602,21 @@ def test_steady_metadata_equals_the_full_build(data) -> None:  # type: ignore[no
             for sc in (fast, slow):
                 sc.take_outputs(out, [live[r] for r in emitting])
             assert fast._delivered == slow._delivered
+
+
+@given(st.lists(st.tuples(st.integers(0, 200), st.integers(0, 200)), max_size=12))
+def test_recomputed_positions_are_counted_once(spans):
+    """An engine asks for the same hit again while a request waits for KV blocks, and clips its
+    local and connector hits separately: each recomputed position counts once, per request and
+    in the engine's total, so a request never reports more recomputed tokens than it has."""
+    conn = SchedulerConnector()
+    covered: set[int] = set()
+    for lo, hi in spans:
+        covered.update(range(lo, hi))
+        assert conn.count_recompute("r", lo, hi) == len(covered)
+        conn.count_recompute("other", lo, lo + 1)
+    assert conn.count_recompute("r", 0, 0) == len(covered) <= 200
+    others = len({lo for lo, hi in spans})
+    assert conn.recomputed_tokens == len(covered) + others
+    conn.request_finished(Req("r", 4), preempted=False)  # a finished request's spans go
+    assert conn.count_recompute("r", 0, 0) == 0

@@ -58,7 +58,7 @@ def kv_dir(tmp_path_factory) -> str:  # type: ignore[no-untyped-def]
     return str(tmp_path_factory.mktemp("kv"))
 
 
-def pd_engine(model_path: str, kv_dir: str, role: str, **auxout: object):  # type: ignore[no-untyped-def]
+def pd_engine(model_path: str, kv_dir: str, role: str, engine: dict | None = None, **auxout: object):  # type: ignore[no-untyped-def]
     from vllm.config import KVTransferConfig
 
     from auxout.vllm import engine_kwargs
@@ -67,7 +67,10 @@ def pd_engine(model_path: str, kv_dir: str, role: str, **auxout: object):  # typ
     ktc = KVTransferConfig(
         kv_connector="ExampleConnector", kv_role=role, kv_connector_extra_config={"shared_storage_path": kv_dir}
     )
-    return make_llm(model_path, max_model_len=1024, kv_transfer_config=ktc, additional_config=kw["additional_config"])
+    return make_llm(
+        model_path, max_model_len=1024, kv_transfer_config=ktc, additional_config=kw["additional_config"],
+        **(engine or {}),
+    )  # fmt: skip
 
 
 def redis_opts(url: str) -> dict:
@@ -90,7 +93,8 @@ def prefill(model_path, kv_dir, redis_url):  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def decode(model_path, kv_dir, redis_url, prefill):  # type: ignore[no-untyped-def]
-    engine = pd_engine(model_path, kv_dir, "kv_consumer", **redis_opts(redis_url))
+    # chunked prefill (64-token chunks): a load covers only the blocks allocated so far
+    engine = pd_engine(model_path, kv_dir, "kv_consumer", {"max_num_batched_tokens": 64}, **redis_opts(redis_url))
     yield engine
     close_llm(engine)
 
@@ -165,6 +169,35 @@ def test_replicas_sharing_a_namespace_publish_a_common_prefix_once(prefill, deco
     oracle.check(b, d.outputs[0])
     # b has 4 full blocks of routes: the 3 common ones were already stored (first write wins)
     assert redis_keys(redis_url) == before + 1, "a common prefix must be stored once across replicas"
+
+
+def test_a_route_block_missing_inside_a_connector_hit_recomputes_the_hit_whole(prefill, decode, oracle, redis_url):
+    """One route block inside the KV the decode side would load is gone (evicted, deleted).
+    Connectors load the whole hit they matched whatever shorter count the scheduler allocates
+    for: a clipped hit made ExampleConnector write 288 tokens of KV into the 7 blocks of a
+    chunked prefill, and the engine died. The hit is recomputed whole instead; the engine stays
+    up and the routes are exact."""
+    import redis
+
+    from auxout.manifest import RouteManifest
+
+    prompt = random_prompt(np.random.default_rng(51), 300)
+    p = gen(prefill, prompt, 1, extra_args={"routed_experts_output": "keys"})
+    manifest = RouteManifest.from_dict(p.outputs[0].auxout_routes_manifest)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        assert client.delete(f"pdtest/{manifest.keys[5]}") == 1  # the sixth of the hit's nine blocks
+    finally:
+        client.close()
+    d = gen(decode, prompt, 8)
+    assert d.outputs[0].finish_reason == "length", d.outputs[0].stop_reason
+    saved = (len(prompt) - 1) // BLOCK * BLOCK  # what ExampleConnector saved and would load
+    assert d.num_cached_tokens == 0, "a hit with a block of unreadable routes must not be loaded in part"
+    assert (d.kv_transfer_params or {}).get("auxout_recomputed_tokens") == saved, d.kv_transfer_params
+    oracle.check(prompt, d.outputs[0])
+    again = gen(decode, prompt, 4)  # the decode side's own prefix cache now holds it, routes included
+    assert again.num_cached_tokens >= saved and "auxout_recomputed_tokens" not in (again.kv_transfer_params or {})
+    oracle.check(prompt, again.outputs[0])
 
 
 def test_in_process_store_recomputes_external_kv_and_warns(model_path, kv_dir, prefill, oracle, capfd):

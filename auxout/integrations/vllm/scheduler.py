@@ -337,13 +337,20 @@ class AuxoutScheduler(Scheduler):
         keep = self.auxout.connector.readable_prefix(request, num_local)
         keep -= keep % self.block_size
         if keep < num_local:
+            self.auxout.connector.count_recompute(request.request_id, keep, num_local)
             self._auxout_log_recompute(request, num_local - keep, "local prefix cache")
             blocks = self.kv_cache_manager.truncate_computed_blocks(blocks, keep)
             num_local = keep
         return blocks, num_local, boundary, diverged
 
     def _auxout_clip_connector(self, connector: Any) -> None:
-        """Clip a KV connector's external hit to readable routes (the load then covers less)."""
+        """A KV connector's external hit is taken whole or not at all, by its routes.
+
+        Connectors load the hit they matched whatever shorter count the scheduler allocates
+        for (ExampleConnector loads its whole file into too few blocks: a worker crash; NIXL maps
+        the remote blocks' tail onto the local ones: wrong KV), so a hit with an unreadable block
+        inside is recomputed whole. Only a trailing partial block, whose rows no hash block holds,
+        is cut (as before)."""
         original = connector.get_num_new_matched_tokens
         block = self.block_size
 
@@ -353,10 +360,15 @@ class AuxoutScheduler(Scheduler):
                 return ext, load_async
             total = num_computed_tokens + ext
             keep = self.auxout.connector.readable_prefix(request, total, num_computed_tokens)
+            if keep < total:  # a block inside the hit has no readable routes
+                self.auxout.connector.count_recompute(request.request_id, num_computed_tokens, total)
+                self._auxout_log_recompute(request, ext, "KV connector")
+                return 0, False
             keep -= keep % block
             clipped = max(0, keep - num_computed_tokens)
             if clipped >= ext:
                 return ext, load_async
+            self.auxout.connector.count_recompute(request.request_id, num_computed_tokens + clipped, total)
             self._auxout_log_recompute(request, ext - clipped, "KV connector")
             return (clipped, load_async) if clipped else (0, False)
 
@@ -364,7 +376,7 @@ class AuxoutScheduler(Scheduler):
 
     def _auxout_log_recompute(self, request: Request, n: int, source: str) -> None:
         rid = request.request_id
-        self.auxout.recomputed[rid] = self.auxout.recomputed.get(rid, 0) + n
+        self.auxout.recomputed[rid] = self.auxout.connector.count_recompute(rid, 0, 0)  # (each position once)
         logger.info(
             "auxout: recomputing %d prefix tokens of request %s from the %s: their routes are not readable "
             "(total recomputed: %d tokens)",
