@@ -71,6 +71,43 @@ def check_store_options(name: str, options: dict[str, Any]) -> None:
     for key, positive in _SECONDS.items():  # (checked again by the store; here before any engine starts)
         if key in options and not (key == "ttl" and options[key] is None):
             check_seconds(f"store {name!r} option {key!r}", options[key], positive=positive)
+    for key, value in options.items():
+        check = _CHECKS.get(key)
+        if check is not None:
+            problem = check(value)
+            if problem:
+                raise ValueError(f"store {name!r} option {key!r} {problem}, got {value!r}")
+
+
+def _url(value: object) -> str:
+    from urllib.parse import urlsplit
+
+    if not isinstance(value, str) or urlsplit(value).scheme not in ("redis", "rediss", "unix"):
+        return "must be a redis://, rediss:// or unix:// URL string"
+    return ""
+
+
+def _name(value: object) -> str:
+    if not isinstance(value, str) or not value or any(c.isspace() for c in value):
+        return "must be a non-empty string without spaces"
+    return ""
+
+
+def _host_port(value: object) -> str:
+    host, _, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return "must be a 'host:port' string"
+    return ""
+
+
+def _addresses(value: object) -> str:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(a, str) and "://" in a for a in value):
+        return "must be a list of store addresses (e.g. ['shm://<segment>'])"
+    return ""
+
+
+# (the stores check again; here, a wrong value fails before any engine starts, not in its worker)
+_CHECKS = {"url": _url, "namespace": _name, "shm_name": _name, "master_addr": _host_port, "read_from": _addresses}
 
 
 def make_store(name: str, *, max_bytes: int, object_nbytes: int, background: bool = True, **kw: Any) -> BlockStore:

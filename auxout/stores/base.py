@@ -127,8 +127,11 @@ class BlockStore(Protocol):
 
 def check_seconds(what: str, value: object, *, positive: bool = True) -> None:
     """Raise ``ValueError`` naming ``what`` unless ``value`` is a number of seconds (> 0, or >= 0)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 if positive else value >= 0):
-        raise ValueError(f"{what} must be {'positive' if positive else 'non-negative'} seconds, got {value!r}")
+    if (
+        isinstance(value, bool) or not isinstance(value, (int, float))
+        or not (value > 0 if positive else value >= 0) or value == float("inf")
+    ):  # fmt: skip
+        raise ValueError(f"{what} must be {'positive' if positive else 'non-negative'} finite seconds, got {value!r}")
 
 
 def check_payload(key: str, payload: Buffer, object_nbytes: int) -> memoryview:

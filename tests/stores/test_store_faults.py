@@ -6,6 +6,7 @@ Each test starts its own server: killing the shared session server would break o
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -234,3 +235,32 @@ def test_make_store_passes_every_redis_option_it_accepts() -> None:
     assert isinstance(store, RedisStore)  # (connects lazily: no server needed)
     assert (store.ttl, store.timeout, store.retry_after, store.namespace) == (30.0, 0.5, 2.5, "opts")
     store.close()
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "needle"),
+    [
+        ("redis", {"url": "redis://h", "namespace": "n", "ttl": float("inf")}, "'ttl' must be positive finite seconds"),
+        ("redis", {"url": "http://h:6379", "namespace": "n"}, "'url' must be a redis://, rediss:// or unix:// URL"),
+        ("redis", {"url": 6379, "namespace": "n"}, "'url' must be a redis://"),
+        ("redis", {"url": "redis://h", "namespace": "a b"}, "'namespace' must be a non-empty string without spaces"),
+        ("redis", {"url": "redis://h", "namespace": ""}, "'namespace' must be a non-empty string"),
+        ("mooncake", {"master_addr": "nohost"}, "'master_addr' must be a 'host:port' string"),
+        ("mooncake", {"master_addr": 50051}, "'master_addr' must be a 'host:port' string"),
+        ("shm", {"read_from": "shm://seg"}, "'read_from' must be a list of store addresses"),
+        ("shm", {"shm_name": 3}, "'shm_name' must be a non-empty string"),
+    ],
+)
+def test_store_options_are_checked_before_any_engine_starts(name: str, options: dict, needle: str) -> None:
+    """Each used to pass ``engine_kwargs`` and fail in the engine's worker (an ``OverflowError``
+    for an infinite TTL; a ``read_from`` string read as one address per character)."""
+    from auxout.stores import check_store_options
+    from auxout.vllm import engine_kwargs
+
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        check_store_options(name, options)
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        engine_kwargs(store=name, store_options=options)
+    good = {"redis": {"url": "unix:///tmp/r.sock", "namespace": "n"}, "mooncake": {"master_addr": "127.0.0.1:50051"},
+            "shm": {"read_from": ["shm://seg"], "shm_name": "seg2"}}[name]  # fmt: skip
+    check_store_options(name, good)

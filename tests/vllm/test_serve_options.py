@@ -66,7 +66,7 @@ def test_user_additional_config_and_env_are_honoured():
         (["/m", "--auxout-namespace=a", "--auxout-namespace", "b"], None, "--auxout-namespace is given twice"),
         # store option values, before any engine starts (they failed in the worker, 30-70 s later)
         (["/m", "--auxout-store", "redis", "--auxout-store-options",
-          '{"url": "redis://h", "namespace": "n", "timeout": -1}'], None, "'timeout' must be positive seconds, got -1"),
+          '{"url": "redis://h", "namespace": "n", "timeout": -1}'], None, "'timeout' must be positive finite seconds, got -1"),
         (["/m", "--auxout-store", "redis", "--auxout-store-options",
           '{"url": "redis://h", "namespace": "n", "retry_after": "3"}'], None, "'retry_after' must be non-negative"),
     ],
