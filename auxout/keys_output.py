@@ -130,7 +130,9 @@ class KeysPublisher:
                 block_size=bs,
                 namespace=self.keyspace.namespace,
             )
-            if manifest.keys and not all(self.store.contains(list(manifest.keys))):
+            touch = getattr(self.store, "touch", None)  # (a store with a TTL restarts it for the fetch)
+            named = list(manifest.keys)
+            if named and not all(touch(named) if touch is not None else self.store.contains(named)):
                 raise PublicationError("the store evicted part of the manifest while publishing it (full?)")
             return manifest
         except BlockStoreError as exc:

@@ -126,6 +126,12 @@ class BackgroundStore:
         self._drain_for(keys)
         return self.inner.contains(keys)
 
+    def touch(self, keys: Sequence[str]) -> list[bool]:
+        """``contains`` that restarts the present keys' TTL where the inner store has one (Redis)."""
+        self._drain_for(keys)
+        touch = getattr(self.inner, "touch", None)
+        return touch(keys) if touch is not None else self.inner.contains(keys)  # type: ignore[no-any-return]
+
     def drain_lost(self) -> list[str]:
         """Keys of dropped batches and of the inner store's evictions since the last call."""
         out = drain(self._lost)

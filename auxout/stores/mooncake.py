@@ -1,9 +1,13 @@
 """Route store in a Mooncake distributed store (``mooncake.store.MooncakeDistributedStore``).
 
 Mooncake objects are immutable: a second put of a key keeps the old value, which is exactly
-first-write-wins. Objects live in the memory segment of the client that wrote them and vanish
-when that client exits, so the writer must outlive the readers' fetches (deployments mount a
-long-lived segment). ``retain``/``release`` are ignored: retention belongs to the deployment.
+first-write-wins. Objects live in the memory segments the clients mount, and the master places
+each one in any mounted segment, not only its writer's: an object vanishes when the client whose
+segment holds it exits (a prefill engine's route may sit in a decode engine's segment). Every
+client that mounts a segment must outlive the fetches of the routes it may hold (deployments
+mount long-lived segments, e.g. a standalone Mooncake store service); a lost object is a clear
+``ObjectMissingError``, never zeros. ``retain``/``release`` are ignored: retention belongs to the
+deployment.
 
 The native client reports failures as negative codes and reports a missing object and a
 lost master alike as an empty value; an empty value is therefore checked with

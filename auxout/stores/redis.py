@@ -10,7 +10,8 @@ network that drops packets) costs one timeout: for ``retry_after`` seconds after
 operation fails at once instead of each waiting out its own timeout (the engine's callers then
 recompute, as for any unavailable store), and the first operation after that tries again. The
 TTL starts at the first write: putting an existing key again neither overwrites it nor extends
-its lifetime, so size the TTL to cover the trainer's fetch. Valkey speaks the same protocol (not
+its lifetime. A keys-only manifest restarts the TTL of every object it names when it is returned
+(``touch``), so size the TTL to cover the trainer's fetch after the response. Valkey speaks the same protocol (not
 in Debian 12 apt, so tests use redis-server).
 """
 
@@ -172,6 +173,24 @@ class RedisStore:
                 pipe = self._client.pipeline(transaction=False)
                 for k in keys[sl]:
                     pipe.exists(p + k)
+                out.extend(bool(x) for x in pipe.execute())
+        return out
+
+    def touch(self, keys: Sequence[str]) -> list[bool]:
+        """``contains`` that also restarts each present key's TTL (``PEXPIRE``), in one round trip.
+
+        A manifest names blocks a hot prefix wrote long ago; without this they could expire
+        right after the manifest is returned, before the trainer fetches them."""
+        if self._px is None:
+            return self.contains(keys)
+        self._check_open()
+        p, px = self._prefix, self._px
+        out: list[bool] = []
+        with self._guard("touch"):
+            for sl in _chunks(len(keys), _BATCH_KEYS):
+                pipe = self._client.pipeline(transaction=False)
+                for k in keys[sl]:
+                    pipe.pexpire(p + k, px)
                 out.extend(bool(x) for x in pipe.execute())
         return out
 

@@ -7,6 +7,7 @@ array must equal the inline array and the oracle, bit for bit.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -98,3 +99,30 @@ def test_manifest_for_expired_keys_names_them(redis_srv: RedisServer) -> None:
         assert gone in str(exc.value) and exc.value.keys == [gone]
     finally:
         admin.close()
+
+
+def test_a_manifest_restarts_the_ttl_of_the_old_blocks_it_names(redis_srv: RedisServer) -> None:
+    """A hot prefix's blocks were written long ago and are about to expire; a later request's
+    manifest names them. Returning the manifest restarts their TTL, so the trainer's fetch after
+    the response finds them (first write wins: the write itself never extends a TTL)."""
+    import redis
+
+    nbytes = MODEL.profile.block_nbytes(BS)
+    ns = "keys-touch"
+    eng = SimEngine(MODEL, block_size=BS, store=RedisStore(redis_srv.url, namespace=ns, object_nbytes=nbytes, ttl=30))
+    prefix = list(range(40, 60))
+    eng.add_request("old", prefix + [1, 2], 2, output="keys")
+    old = eng.run()["old"].manifest
+    client = redis.Redis.from_url(redis_srv.url)
+    try:
+        for key in old.keys[:4]:
+            assert client.pexpire(f"{ns}/{key}", 300)  # these blocks' TTL is nearly over
+        eng.add_request("new", prefix + [3, 4, 5], 3, output="keys")
+        res = eng.run()["new"]
+        assert res.num_cached_tokens >= 4 * BS and set(old.keys[:4]) <= set(res.manifest.keys)
+        assert min(client.pttl(f"{ns}/{key}") for key in res.manifest.keys) > 20_000
+        time.sleep(0.5)  # past the old TTL
+        assert np.array_equal(fetch(res.manifest), oracle_routes(MODEL, res))
+    finally:
+        client.close()
+        eng.close()
