@@ -91,6 +91,32 @@ def route_keyspace(vllm_config: Any, opts: VllmOptions, hash_block: int) -> KeyS
 _DIGEST_SAMPLES = 256  # elements read per parameter tensor
 
 
+_DIGEST_ROW = 1024
+_ODD = 0x9E3779B97F4A7C15 - (1 << 64)  # (odd, as a signed int64: multiplications wrap mod 2**64)
+
+
+def _bits_digest(bits: Any) -> bytes:
+    """Every element of a flat integer view, where it sits: the elements as rows of 1024, each
+    row's sum and each column's sum weighted by an odd multiple of its index (int64, wrapping:
+    exact and the same on any device), and the last partial row as is. Changing one element
+    changes a row and a column sum; swapping two elements moves two row sums or two column sums
+    by opposite amounts, which the different weights do not cancel."""
+    import torch
+
+    n = bits.numel()
+    m = n // _DIGEST_ROW
+    tail = bits[m * _DIGEST_ROW :].cpu().numpy().tobytes()
+    if m == 0:
+        return tail
+    grid = bits[: m * _DIGEST_ROW].view(m, _DIGEST_ROW)
+    out = [tail]
+    for dim, size in ((1, m), (0, _DIGEST_ROW)):
+        sums = grid.sum(dim=dim, dtype=torch.int64)
+        weights = torch.arange(1, size + 1, dtype=torch.int64, device=bits.device) * _ODD
+        out.append(str(int(torch.sum(sums * weights))).encode())
+    return b"\0".join(out)
+
+
 def weights_digest(model: Any) -> str:
     """A digest of the weights ``model`` runs now (16 hex digits), "" if it cannot be taken.
 
@@ -98,9 +124,11 @@ def weights_digest(model: Any) -> str:
     weights, however they got them (an RL weight sync to every replica and to both sides of a P/D
     split, or a restart from a checkpoint of them), derive the same keys and share routes, which
     are a function of the weights. Reads each parameter's name, shape, dtype, ``_DIGEST_SAMPLES``
-    evenly spaced elements (where they sit) and the sum of all its elements' bits (that any of
-    them changed: one pass over the weights, once per reset). Shards are what this rank holds,
-    so peers share only with the same tensor/pipeline-parallel layout (others recompute).
+    evenly spaced elements and, over all its elements' bits, position-weighted sums of its
+    1024-element rows and of its columns (``_bits_digest``: any changed element changes them, and
+    so does swapping any two elements; a plain sum missed swaps no sample read). Once per reset,
+    on the device, in exact integer arithmetic. Shards are what this rank holds, so peers share
+    only with the same tensor/pipeline-parallel layout (others recompute).
     """
     import torch
 
@@ -115,10 +143,9 @@ def weights_digest(model: Any) -> str:
                 if n:
                     idx = torch.linspace(0, n - 1, min(n, _DIGEST_SAMPLES), device=flat.device).long()
                     h.update(flat.index_select(0, idx).contiguous().view(torch.uint8).cpu().numpy().tobytes())
-                    # and every element, as the wrapping sum of its bits (one pass on the device): a
-                    # low learning rate in bf16 moves only a few percent of the elements per step
+                    # and every element (a low learning rate in bf16 moves only a few percent of them)
                     bits = flat.contiguous().view(int_views.get(flat.element_size(), torch.uint8))
-                    h.update(str(int(torch.sum(bits, dtype=torch.int64))).encode())
+                    h.update(_bits_digest(bits))
     except Exception as exc:  # never stop the engine for a digest: its routes are then its own
         logger.warning(
             "auxout: could not take a digest of the weights (%s: %s); routes after this prefix-cache reset "
