@@ -88,23 +88,7 @@ class KeysPublisher:
         self, request_id: str, *, block_hashes: Sequence[bytes], generation: int, token_end: int
     ) -> RouteManifest:
         """Manifest of rows ``[first accepted position, token_end)``; publishes what is missing first."""
-        chunks = self._rows.pop(request_id, [])
-        start = self._start.pop(request_id, token_end)
-        first = min(max(self._first.pop(request_id, start), start), token_end)
-        like = self._like.pop(request_id, None)
-        if chunks:
-            held = np.concatenate(chunks)
-        elif like is not None:
-            held = like
-        elif self.profile is not None:
-            held = self.profile.empty(0)
-        else:
-            raise PublicationError(f"keys-only output for {request_id!r} saw no rows (shape unknown)")
-        if start + len(held) != token_end:
-            raise PublicationError(
-                f"keys-only output for {request_id!r} holds rows [{start}, {start + len(held)}) "
-                f"but the request accepted [{start}, {token_end})"
-            )
+        start, first, held = self._pop(request_id, token_end)
         bs = self.block_size
         n_full = token_end // bs
         keys = self.keyspace.keys(list(block_hashes[:n_full]), generation)
@@ -140,6 +124,32 @@ class KeysPublisher:
                 raise
             reason = f"{type(exc).__name__}: {exc}"
             raise ManifestUnavailableError(request_id, reason, held[first - start :]) from exc
+
+    def take_rows(self, request_id: str, token_end: int) -> np.ndarray:
+        """The rows held for a request from its manifest's first position, to answer it inline."""
+        start, first, held = self._pop(request_id, token_end)
+        return held[first - start :]
+
+    def _pop(self, request_id: str, token_end: int) -> tuple[int, int, np.ndarray]:
+        """Forget a request: (first held position, the manifest's first position, the held rows)."""
+        chunks = self._rows.pop(request_id, [])
+        start = self._start.pop(request_id, token_end)
+        first = min(max(self._first.pop(request_id, start), start), token_end)
+        like = self._like.pop(request_id, None)
+        if chunks:
+            held = np.concatenate(chunks)
+        elif like is not None:
+            held = like
+        elif self.profile is not None:
+            held = self.profile.empty(0)
+        else:
+            raise PublicationError(f"keys-only output for {request_id!r} saw no rows (shape unknown)")
+        if start + len(held) != token_end:
+            raise PublicationError(
+                f"keys-only output for {request_id!r} holds rows [{start}, {start + len(held)}) "
+                f"but the request accepted [{start}, {token_end})"
+            )
+        return start, first, held
 
     def discard(self, request_id: str) -> None:
         self._rows.pop(request_id, None)

@@ -43,6 +43,10 @@ OUTPUT_MODES = ("inline", "keys")
 _num_tokens = attrgetter("num_tokens")
 _block_hashes = attrgetter("block_hashes")
 _plus_one = (1).__add__
+REASON_TWO_GENERATIONS = (
+    "the weights changed while it ran (a prefix-cache reset): its rows come from two generations, "
+    "and a manifest names one generation's keys"
+)
 MAX_RECOMPUTES = 8
 """Restarts of one request for unreadable prefix routes before it fails (a guard, not a policy)."""
 
@@ -105,6 +109,7 @@ class SchedulerConnector:
         self._finished: dict[str, PackedHashes | None] = {}  # terminal events not yet delivered
         self._options: dict[str, tuple[int, bool]] = {}  # prompt_start, return_routes
         self._keys_mode: set[str] = set()
+        self._two_generations: set[str] = set()  # keys-mode requests a reset hit after rows were held
         self._delivered: dict[str, int] = {}  # first position whose rows were not returned yet
         # live requests a prefix-cache reset (an RL weight sync) hit after rows were returned:
         # the first position of each reset whose rows come from after it (the bridge reports them)
@@ -240,6 +245,7 @@ class SchedulerConnector:
             self._delivered.pop(rid, None)
             self._recomputes.pop(rid, None)
             self._recomputed.pop(rid, None)
+            self._two_generations.discard(rid)
             if rid in self._keys_mode:
                 self._keys_mode.discard(rid)
                 assert self.publisher is not None
@@ -338,6 +344,10 @@ class SchedulerConnector:
         if not finished:
             return None
         self._keys_mode.discard(rid)
+        if rid in self._two_generations:
+            self._two_generations.discard(rid)
+            self.inline_fallbacks[rid] = REASON_TWO_GENERATIONS
+            return self.publisher.take_rows(rid, request.num_tokens - 1)
         try:
             return self.publisher.finish(
                 rid, block_hashes=request.block_hashes, generation=self.generation, token_end=request.num_tokens - 1
@@ -454,6 +464,8 @@ class SchedulerConnector:
             start, ret = self._options.get(rid, default)
             if ret and done > start:
                 self.reset_at.setdefault(rid, []).append(done)
+                if rid in self._keys_mode:  # its manifest would name only the new weights' blocks
+                    self._two_generations.add(rid)
         self.generation += 1
         self._keys_unknown = self.weights_from_worker
         self._meta_cache = None

@@ -49,6 +49,8 @@ class SimResult:
     finish_reason: str
     error: str | None = None
     manifest: RouteManifest | None = None  # keys-only output: fetch(manifest, store) gives the routes
+    inline_reason: str | None = None  # keys-only asked, rows returned inline: why
+    reset_at: list[int] | None = None  # where each prefix-cache reset that hit it mid-request begins
 
 
 class SimKVConnector:
@@ -300,8 +302,13 @@ class SimEngine:
             return
         self._finish(req, "abort")
 
-    def reset_prefix_cache(self) -> bool:
-        """Succeeds only when nothing holds KV blocks and no output is in flight (like vLLM)."""
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Succeeds only when nothing holds KV blocks and no output is in flight (like vLLM);
+        ``reset_running_requests`` first preempts the running requests (an RL weight sync while
+        they run: they recompute), when no output is in flight."""
+        if reset_running_requests and not self._inflight:
+            for req in list(self.running):
+                self._preempt(req)
         if self.running or self._inflight or any(r.blocks for r in self.waiting):
             return False
         self.kv.reset()
@@ -535,8 +542,8 @@ class SimEngine:
             routes = None
         elif routes is None:
             routes = self.model.profile.empty(0)
-        if req.rid in self.scheduler.inline_fallbacks:  # keys-only answered inline (store full)
-            del self.scheduler.inline_fallbacks[req.rid]
+        inline_reason = self.scheduler.inline_fallbacks.pop(req.rid, None)  # keys-only answered inline
+        reset_at = self.scheduler.reset_at.pop(req.rid, None)
         result = self._done[req.rid] = SimResult(
             req.rid,
             req.tokens(),
@@ -547,6 +554,8 @@ class SimEngine:
             reason,
             req.error,
             req.manifest,
+            inline_reason,
+            reset_at,
         )
         if self.on_finish is not None:
             self.on_finish(result)

@@ -83,6 +83,7 @@ def scenarios(draw: st.DrawFn) -> dict:
         max_tokens=max_tokens,
         shared_prefix=shared_prefix,
         reset_between=draw(st.booleans()),
+        reset_mid=draw(st.booleans()),  # a weight sync while requests run (reset_running_requests)
         data_seed=draw(st.integers(0, 2**16)),
         aborts=draw(st.integers(0, 2)),
         salted=draw(st.booleans()),
@@ -178,6 +179,12 @@ def run_scenario(sc: dict, stats: dict | None = None) -> int:
                 return_routed_experts=bool(rng.random() >= sc.get("opt_out", 0.15)),
                 output="keys" if rng.random() < keys_share else "inline",
             )
+        if sc.get("reset_mid"):  # rows returned so far stay, the recompute's follow: each position once
+            for _ in range(int(rng.integers(0, 8))):
+                if eng.has_unfinished():
+                    eng.step()
+            while not eng.reset_prefix_cache(reset_running_requests=True):
+                eng.step()  # (an output in flight: vLLM's reset waits for it too)
         for i in range(sc["aborts"]):
             for _ in range(int(rng.integers(0, 6))):
                 if eng.has_unfinished():

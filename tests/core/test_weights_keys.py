@@ -117,3 +117,31 @@ def test_without_a_digest_generations_stay_one_engines_own() -> None:
     np.testing.assert_array_equal(got, want)
     assert pair.decode.scheduler.recomputed_tokens > 0
     pair.close()
+
+
+@pytest.mark.parametrize("output", ["inline", "keys"])
+def test_a_weight_sync_mid_request_keeps_the_returned_rows_and_says_where_the_new_ones_begin(output: str) -> None:
+    """Weights updated and the prefix cache reset while a request runs (``reset_running_requests``):
+    rows already returned are the old weights', the recompute's follow from ``reset_at``. A
+    keys-only request answers inline then, saying why: a manifest names one generation's keys."""
+    from auxout.scheduler_connector import REASON_TWO_GENERATIONS
+
+    old, new = FakeMoE(num_layers=3, top_k=2, num_experts=8, vocab_size=50, seed=1), FakeMoE(
+        num_layers=3, top_k=2, num_experts=8, vocab_size=50, seed=2
+    )
+    obj = old.profile.block_nbytes(BS)
+    eng = SimEngine(old, block_size=BS, num_kv_blocks=64, max_num_batched_tokens=8, store=ArenaStore(256 * obj, obj))
+    prompt = list(np.random.default_rng(3).integers(0, 50, 30))
+    eng.add_request("r", prompt, 10, prompt_start=5, output=output)
+    for _ in range(6):  # 30 prompt tokens in chunks of 8: decoding by now
+        eng.step()
+    eng.model = new
+    assert eng.reset_prefix_cache(reset_running_requests=True)
+    (res,) = eng.run().values()
+    (at,) = res.reset_at
+    assert 5 < at < len(res.tokens) - 1
+    assert res.manifest is None and res.inline_reason == (REASON_TWO_GENERATIONS if output == "keys" else None)
+    got, before, after = res.routed_experts, oracle_routes(old, res), oracle_routes(new, res)
+    assert got.shape == before.shape
+    assert np.array_equal(got[: at - 5], before[: at - 5]) and np.array_equal(got[at - 5 :], after[at - 5 :])
+    assert not np.array_equal(before[at - 5 :], after[at - 5 :])
