@@ -494,6 +494,8 @@ def test_weights_digest_follows_the_weights_not_the_module_object():
     assert weights_digest(c) != d
     assert weights_digest(model(0, torch.bfloat16)) not in (d, "")
     assert weights_digest(model(1)) != d
+    big = torch.nn.Embedding(2**24 + 4, 1, dtype=torch.float16)  # past float32's integers: samples still in range
+    assert weights_digest(big) != "", "a parameter of more than 2**24 elements (any embedding) must digest"
     for i, j in ((1, 2), (5, 1029), (1029, 1030 + 1024 * 5), (3, 19198)):  # no sample reads them
         e = model(0)
         with torch.no_grad():  # two elements swapped: the sum of the bits is the same

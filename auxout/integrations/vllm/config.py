@@ -141,7 +141,8 @@ def weights_digest(model: Any) -> str:
                 n = flat.numel()
                 h.update(f"{name}\0{tuple(p.shape)}\0{p.dtype}\0".encode())
                 if n:
-                    idx = torch.linspace(0, n - 1, min(n, _DIGEST_SAMPLES), device=flat.device).long()
+                    k = min(n, _DIGEST_SAMPLES)  # evenly spaced, in integers (float32 rounds past 2**24)
+                    idx = torch.arange(k, dtype=torch.int64, device=flat.device) * (n - 1) // max(k - 1, 1)
                     h.update(flat.index_select(0, idx).contiguous().view(torch.uint8).cpu().numpy().tobytes())
                     # and every element (a low learning rate in bf16 moves only a few percent of them)
                     bits = flat.contiguous().view(int_views.get(flat.element_size(), torch.uint8))
