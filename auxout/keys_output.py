@@ -125,6 +125,16 @@ class KeysPublisher:
             reason = f"{type(exc).__name__}: {exc}"
             raise ManifestUnavailableError(request_id, reason, held[first - start :]) from exc
 
+    def first(self, request_id: str) -> int:
+        """The manifest's first position (the request's ``prompt_start``)."""
+        return self._first.get(request_id, 0)
+
+    def rewind(self, request_id: str) -> None:
+        """Forget the rows held for a request, none of which it was returned (a reset before its
+        prompt_start: the recompute's rows replace them)."""
+        self._rows.pop(request_id, None)
+        self._start.pop(request_id, None)
+
     def take_rows(self, request_id: str, token_end: int) -> np.ndarray:
         """The rows held for a request from its manifest's first position, to answer it inline."""
         start, first, held = self._pop(request_id, token_end)

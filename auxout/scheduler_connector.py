@@ -462,10 +462,16 @@ class SchedulerConnector:
         default = (0, self.default_return)
         for rid, done in self._delivered.items():
             start, ret = self._options.get(rid, default)
-            if ret and done > start:
-                self.reset_at.setdefault(rid, []).append(done)
-                if rid in self._keys_mode:  # its manifest would name only the new weights' blocks
-                    self._two_generations.add(rid)
+            if not ret or done <= start:
+                continue
+            if rid in self._keys_mode:  # (held from its prompt_start's block start)
+                assert self.publisher is not None
+                if done <= self.publisher.first(rid):  # nothing returned yet: hold the recompute's rows
+                    self.publisher.rewind(rid)
+                    self._delivered[rid] = start
+                    continue
+                self._two_generations.add(rid)  # its manifest would name only the new weights' blocks
+            self.reset_at.setdefault(rid, []).append(done)
         self.generation += 1
         self._keys_unknown = self.weights_from_worker
         self._meta_cache = None

@@ -145,3 +145,26 @@ def test_a_weight_sync_mid_request_keeps_the_returned_rows_and_says_where_the_ne
     assert got.shape == before.shape
     assert np.array_equal(got[: at - 5], before[: at - 5]) and np.array_equal(got[at - 5 :], after[at - 5 :])
     assert not np.array_equal(before[at - 5 :], after[at - 5 :])
+
+
+def test_a_weight_sync_before_a_keys_only_requests_prompt_start_keeps_its_manifest() -> None:
+    """Keys-only rows are held from the start of the block holding ``prompt_start``; a sync that
+    lands after some of those were held but before ``prompt_start`` returned nothing yet: the held
+    rows are dropped for the recompute's, and the request keeps its manifest (all new weights)."""
+    from auxout.manifest import fetch_rows
+
+    old, new = FakeMoE(num_layers=3, top_k=2, num_experts=8, vocab_size=50, seed=1), FakeMoE(
+        num_layers=3, top_k=2, num_experts=8, vocab_size=50, seed=2
+    )
+    bs = 16
+    obj = old.profile.block_nbytes(bs)
+    eng = SimEngine(old, block_size=bs, num_kv_blocks=64, max_num_batched_tokens=8, store=ArenaStore(256 * obj, obj))
+    prompt = list(np.random.default_rng(4).integers(0, 50, 40))
+    eng.add_request("r", prompt, 6, prompt_start=13, output="keys")
+    eng.step()  # rows [0, 8) held (the block of position 13 starts at 0), none returned
+    assert eng.scheduler._delivered["r"] == 8
+    eng.model = new
+    assert eng.reset_prefix_cache(reset_running_requests=True)
+    (res,) = eng.run().values()
+    assert res.reset_at is None and res.inline_reason is None and res.manifest is not None
+    assert np.array_equal(fetch_rows(res.manifest, store=eng.store), oracle_routes(new, res))
