@@ -508,3 +508,25 @@ def test_weights_digest_follows_the_weights_not_the_module_object():
             raise RuntimeError("offloaded")
 
     assert weights_digest(Broken()) == ""
+
+
+def test_each_non_streamed_choice_carries_its_own_completions_facts():
+    """n > 1: vLLM keeps one ``kv_transfer_params`` per request, so each choice's reset positions,
+    recomputed tokens and inline reason come from its own completion (``completion_fields``)."""
+    from types import SimpleNamespace
+
+    from auxout.integrations.vllm.http_routes import RouteResponder
+
+    responder = RouteResponder(VllmOptions())
+    outs = [
+        SimpleNamespace(routed_experts=None, auxout_routes_reset_at=[61], auxout_recomputed_tokens=32),
+        SimpleNamespace(routed_experts=None, auxout_routes_inline_reason="store full"),
+    ]
+    res = SimpleNamespace(kv_transfer_params=None, auxout_route_start=0)
+    response = SimpleNamespace(choices=[SimpleNamespace(index=0), SimpleNamespace(index=1)])
+    request = SimpleNamespace(model_extra={})
+    responder.decorate_choices(response, request, {0: (res, outs[0]), 1: (res, outs[1])})
+    first, second = response.choices
+    assert first.routed_experts_reset_at == [61] and first.routed_experts_recomputed_tokens == 32
+    assert not hasattr(first, "routed_experts_inline_reason")
+    assert second.routed_experts_inline_reason == "store full" and not hasattr(second, "routed_experts_reset_at")

@@ -49,7 +49,7 @@ def server(model_path: str, tmp_path_factory: pytest.TempPathFactory):
             "--enable-scale-out",  # vLLM's token-in/token-out /inference/v1/generate too
         ]  # fmt: skip
         options = {"store_options": {"url": redis.url, "namespace": "srv"}}
-        env = {"AUXOUT_VLLM_OPTIONS": json.dumps(options)}
+        env = {"AUXOUT_VLLM_OPTIONS": json.dumps(options), "VLLM_SERVER_DEV_MODE": "1"}  # (/pause, /reset_prefix_cache)
         with auxout_server(model_path, args, log, ready_s=480, env=env) as (base, _), httpx.Client(
             base_url=base, timeout=120
         ) as client:
@@ -222,6 +222,42 @@ def test_streamed_chat_with_openai_client(server, oracle):
     start, rows, _, out = stitched(events)
     assert start == 0 and len(out) == 7
     check(oracle, list(prompt) + out, rows, 0)
+
+
+@pytest.mark.parametrize("case", ["inline", "n2", "keys"])
+def test_a_weight_sync_mid_stream_is_reported_on_each_choices_last_chunk(server, oracle, case):
+    """An RL weight sync over HTTP while a stream runs: /pause?mode=keep, /reset_prefix_cache with
+    reset_running_requests, /resume. Each streamed choice's last chunk says where the recompute's
+    rows begin (``routed_experts_reset_at``), with n > 1 too, and a keys-only choice answered
+    inline says why; the rows (the weights did not change) are each position once, exact."""
+    prompt = random_prompt(np.random.default_rng(90), 60)
+    extra: dict[str, Any] = {"n": 2, "temperature": 1.0, "seed": 3} if case == "n2" else {}
+    if case == "keys":
+        extra["vllm_xargs"] = {"routed_experts_output": "keys"}
+    events: list[dict[str, Any]] = []
+    with server.stream("POST", "/v1/completions", json={**body(server, prompt=prompt, max_tokens=400, **extra),
+                                                        "stream": True}) as r:  # fmt: skip
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            events.append(json.loads(line[6:]))
+            if len(events) == 1:  # running: sync now
+                # (vLLM's /pause resets the prefix cache itself unless told not to: one reset here)
+                assert server.post("/pause", params={"mode": "keep", "clear_cache": "false"}).status_code == 200
+                assert server.post("/reset_prefix_cache", params={"reset_running_requests": "true"}).status_code == 200
+                assert server.post("/resume").status_code == 200
+    for index in range(2 if case == "n2" else 1):
+        (last,) = [c for e in events for c in e["choices"] if c["index"] == index and c.get("finish_reason")]
+        (at,) = last["routed_experts_reset_at"]
+        out = [t for e in events for c in e["choices"] if c["index"] == index for t in (c.get("token_ids") or [])]
+        assert len(prompt) <= at < len(prompt) + len(out) - 1, at
+        if case == "keys":  # rows from two generations: inline, and why
+            assert "two generations" in last["routed_experts_inline_reason"]
+            assert last.get("routed_experts_manifest") is None
+        start, rows, _, _ = stitched(events, index)
+        assert start == 0
+        check(oracle, prompt + out, rows, 0)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -45,7 +45,9 @@ from auxout.integrations.vllm.options import (
     INLINE_REASON_FIELD,
     MANIFEST_FIELD,
     OUTPUT_FLAG,
+    RECOMPUTED_FIELD,
     REQUEST_FLAG,
+    RESET_AT_FIELD,
     SHARED_STORES,
     WEIGHTS_FLAG,
     WEIGHTS_OUTPUT,
@@ -63,6 +65,15 @@ WEIGHTS_FIELD = WEIGHTS_FLAG
 START_FIELD = "routed_experts_start"
 INLINE_REASON_OUT_FIELD = "routed_experts_inline_reason"
 MANIFEST_OUT_FIELD = "routed_experts_manifest"
+RESET_AT_OUT_FIELD = "routed_experts_reset_at"
+RECOMPUTED_OUT_FIELD = "routed_experts_recomputed_tokens"
+CHOICE_FIELDS = (
+    (INLINE_REASON_FIELD, INLINE_REASON_OUT_FIELD),  # keys-only asked, rows inline: why
+    (RESET_AT_FIELD, RESET_AT_OUT_FIELD),  # where each weight sync mid-request begins the new weights' rows
+    (RECOMPUTED_FIELD, RECOMPUTED_OUT_FIELD),  # prefix-hit tokens recomputed for lack of routes
+)
+"""Per-choice facts the engine reports at finish, and the field each takes on the HTTP choice
+(streamed: on its last chunk); per choice, so also with ``n > 1``."""
 _PARAMS_KEY = INTERNAL_KEY
 """``SamplingParams.extra_args`` key carrying the checked HTTP fields from the request to ``generate``."""
 MAX_SESSION_ID_CHARS = 256
@@ -124,6 +135,7 @@ class ChoiceRows:
         self.consumed = 0
         self.final: np.ndarray | None = None
         self.manifest: Any = None
+        self.facts: dict[str, Any] = {}  # CHOICE_FIELDS of the finished choice (its last chunk carries them)
         self.weighted = False  # chunks carry (id, weight) rows
 
     def observe(self, output: Any, prompt_len: int | None) -> None:
@@ -286,9 +298,7 @@ class RouteResponder:
             if rows is not None and weights is not None:
                 rows = join_rows(rows, weights)
             fields = self.route_fields(rows, getattr(res, "auxout_route_start", 0), fmt, manifest)
-            reason = completion_field(output, res, INLINE_REASON_FIELD)
-            if reason is not None:  # keys-only asked, rows inline: why (per choice, also with n > 1)
-                fields[INLINE_REASON_OUT_FIELD] = reason
+            fields.update(choice_facts(output, res))
             for key, value in fields.items():
                 setattr(choice, key, value)
         return response
@@ -326,6 +336,9 @@ class RouteResponder:
                 if taken is not None or manifest is not None:
                     first, rows = taken if taken is not None else (tracker.start, None)
                     choice.update(self.route_fields(rows, first, fmt, manifest))
+                    changed = True
+                if finished and tracker.facts:
+                    choice.update(tracker.facts)
                     changed = True
             yield f"data: {json.dumps(data, separators=(',', ':'))}\n\n" if changed else line
 
@@ -386,7 +399,18 @@ async def _tap(results: AsyncIterator[Any], trackers: dict[int, ChoiceRows], num
             tracker.observe(output, None)
             if output.finish_reason is not None:
                 tracker.manifest = completion_field(output, res, MANIFEST_FIELD)
+                tracker.facts = choice_facts(output, res)
         yield item
+
+
+def choice_facts(output: Any, res: Any) -> dict[str, Any]:
+    """The ``CHOICE_FIELDS`` one finished completion has, under their HTTP names."""
+    facts = {}
+    for key, out in CHOICE_FIELDS:
+        value = completion_field(output, res, key)
+        if value is not None:
+            facts[out] = value
+    return facts
 
 
 _INSTALLED: RouteResponder | None = None
