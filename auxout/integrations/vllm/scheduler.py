@@ -337,8 +337,7 @@ class AuxoutScheduler(Scheduler):
         keep = self.auxout.connector.readable_prefix(request, num_local)
         keep -= keep % self.block_size
         if keep < num_local:
-            self.auxout.connector.count_recompute(request.request_id, keep, num_local)
-            self._auxout_log_recompute(request, num_local - keep, "local prefix cache")
+            self._auxout_log_recompute(request, keep, num_local, "local prefix cache")
             blocks = self.kv_cache_manager.truncate_computed_blocks(blocks, keep)
             num_local = keep
         return blocks, num_local, boundary, diverged
@@ -361,22 +360,22 @@ class AuxoutScheduler(Scheduler):
             total = num_computed_tokens + ext
             keep = self.auxout.connector.readable_prefix(request, total, num_computed_tokens)
             if keep < total:  # a block inside the hit has no readable routes
-                self.auxout.connector.count_recompute(request.request_id, num_computed_tokens, total)
-                self._auxout_log_recompute(request, ext, "KV connector")
+                self._auxout_log_recompute(request, num_computed_tokens, total, "KV connector")
                 return 0, False
             keep -= keep % block
             clipped = max(0, keep - num_computed_tokens)
             if clipped >= ext:
                 return ext, load_async
-            self.auxout.connector.count_recompute(request.request_id, num_computed_tokens + clipped, total)
-            self._auxout_log_recompute(request, ext - clipped, "KV connector")
+            self._auxout_log_recompute(request, num_computed_tokens + clipped, total, "KV connector")
             return (clipped, load_async) if clipped else (0, False)
 
         connector.get_num_new_matched_tokens = get_num_new_matched_tokens
 
-    def _auxout_log_recompute(self, request: Request, n: int, source: str) -> None:
+    def _auxout_log_recompute(self, request: Request, lo: int, hi: int, source: str) -> None:
+        """Count and log prefix positions ``[lo, hi)`` recomputed (each position once per request)."""
         rid = request.request_id
-        self.auxout.recomputed[rid] = self.auxout.connector.count_recompute(rid, 0, 0)  # (each position once)
+        n = hi - lo
+        self.auxout.recomputed[rid] = self.auxout.connector.count_recompute(rid, lo, hi)
         logger.info(
             "auxout: recomputing %d prefix tokens of request %s from the %s: their routes are not readable "
             "(total recomputed: %d tokens)",
