@@ -127,7 +127,8 @@ def rows_from_bytes(data: np.ndarray) -> np.ndarray:
     if id_size not in (1, 2):
         raise ValueError(f"route items of {data.shape[3]} bytes are not ids plus a float32 weight")
     dt = route_dtype(np.dtype(f"<u{id_size}"), True)
-    flat = np.ascontiguousarray(data).reshape(*data.shape[:2], -1)
+    n, layers, top_k, item = data.shape  # (no -1: numpy cannot infer an axis of an empty array)
+    flat = np.ascontiguousarray(data).reshape(n, layers, top_k * item)
     return flat.view(dt)
 
 

@@ -301,6 +301,18 @@ def test_routing_weights_with_prompt_start_and_concurrent_requests(llm, oracle):
         oracle.check_weights(p, o.outputs[0], s)
 
 
+def test_routing_weights_of_a_request_with_no_rows_are_empty_arrays(llm, oracle):
+    """A prompt start at the prompt's end and one generated token: no position has a row. The
+    empty (id, weight) rows once failed to convert back in the frontend."""
+    prompt = random_prompt(np.random.default_rng(63), 100)  # two prefill chunks, neither emits a row
+    (c,), _ = run(llm, [prompt], greedy(1, extra_args=WEIGHTS, routed_experts_prompt_start=100))
+    assert c.routed_experts.shape == c.routing_weights.shape == (0, 2, 4)
+    assert c.routed_experts.dtype == np.uint8 and c.routing_weights.dtype == np.float32
+    (c,), _ = run(llm, [prompt], greedy(3, extra_args=WEIGHTS, routed_experts_prompt_start=100))
+    oracle.check(prompt, c, 100)
+    oracle.check_weights(prompt, c, 100)
+
+
 @pytest.mark.parametrize("value", ["yes", 1, None])
 def test_routing_weights_flag_must_be_a_bool_offline(llm, value):
     from vllm.exceptions import VLLMValidationError

@@ -530,3 +530,37 @@ def test_each_non_streamed_choice_carries_its_own_completions_facts():
     assert first.routed_experts_reset_at == [61] and first.routed_experts_recomputed_tokens == 32
     assert not hasattr(first, "routed_experts_inline_reason")
     assert second.routed_experts_inline_reason == "store full" and not hasattr(second, "routed_experts_reset_at")
+
+
+def test_a_stream_whose_routes_fail_to_encode_ends_with_an_error_event_and_is_aborted():
+    """A failure in auxout's part of a stream is answered the way vLLM answers its own: an error
+    event naming the cause, then ``[DONE]``; the engine's generator is closed (the request aborted)."""
+    import asyncio
+    import json
+    from types import SimpleNamespace
+
+    from auxout.integrations.vllm.http_routes import ChoiceRows, RouteResponder
+
+    closed = []
+
+    async def lines():
+        try:
+            yield 'data: {"choices": [{"index": 0, "text": "a", "finish_reason": null}]}\n\n'
+            yield 'data: {"choices": [{"index": 0, "text": "b", "finish_reason": null}]}\n\n'
+            yield "data: [DONE]\n\n"
+        finally:
+            closed.append(True)
+
+    class Broken(ChoiceRows):
+        def take(self, finished: bool):  # type: ignore[no-untyped-def]
+            raise ValueError("rows of an unknown shape")
+
+    async def collect():
+        stream = RouteResponder(VllmOptions()).decorate_stream(lines(), {0: Broken(0)}, SimpleNamespace(model_extra={}))
+        return [line async for line in stream]
+
+    out = asyncio.run(collect())
+    assert out[-1] == "data: [DONE]\n\n" and len(out) == 2, out
+    error = json.loads(out[0][len("data: ") :])["error"]
+    assert "rows of an unknown shape" in error["message"] and "aborted" in error["message"]
+    assert error["code"] == 500 and closed == [True]

@@ -480,6 +480,35 @@ def test_routing_weights_streamed_and_session_deltas(server, oracle):
     check_weights(oracle, second + c2["token_ids"], ids2, w2, c2["routed_experts_start"])
 
 
+@pytest.mark.parametrize("start", [100, 149, 150])
+def test_routing_weights_streamed_from_a_prompt_start_past_the_first_chunks(server, oracle, start):
+    """Prefill chunks before the prompt start emit no rows: with weights those empty steps once
+    cut the stream mid-body (an empty byte-row chunk the frontend could not read back)."""
+    prompt = random_prompt(np.random.default_rng(start), 150)  # three 64-token prefill chunks
+    events = sse(server, "/v1/completions", body(server, prompt=prompt, max_tokens=6, routed_experts_prompt_start=start,
+                                                 n=2, temperature=1.0, seed=5, **WEIGHTS))  # fmt: skip
+    assert not [e for e in events if "error" in e], events
+    for index in (0, 1):
+        first, ids, _, out = stitched(events, index)
+        wfirst, weights, _, _ = stitched(events, index, name="routing_weights")
+        assert first == wfirst == start and len(out) == 6
+        check(oracle, prompt + out, ids, start)
+        check_weights(oracle, prompt + out, ids, weights, start)
+    # one token from the prompt's end: no rows at all, an empty array of the right shape
+    for stream in (False, True):
+        payload = body(server, prompt=prompt, max_tokens=1, routed_experts_prompt_start=150, **WEIGHTS)
+        if stream:
+            choice = {k: v for e in sse(server, "/v1/completions", payload) for c in e["choices"] for k, v in c.items()}
+        else:
+            r = server.post("/v1/completions", json=payload)
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "length", choice
+        for name in ("routed_experts", "routing_weights"):
+            if choice.get(name) is not None:
+                assert decode_routes(choice, name).shape == (0, 2, 4), name
+
+
 def test_routing_weights_in_chat_n_and_keys_only(server, oracle):
     resp = server.openai.chat.completions.create(
         model=server.model_path, messages=[{"role": "user", "content": "Weights, please."}], max_tokens=5,

@@ -317,9 +317,26 @@ class RouteResponder:
                 value=session,
             )
 
-    async def decorate_stream(self, lines: AsyncIterator[str], trackers: dict[int, ChoiceRows],
-                              request: Any) -> AsyncIterator[str]:
-        fmt = _fmt(request)
+    async def decorate_stream(self, lines: AsyncIterator[str], trackers: dict[int, ChoiceRows], request: Any,
+                              serving: Any = None) -> AsyncIterator[str]:
+        """vLLM's stream lines, each choice's chunk with the rows its tokens newly cover.
+
+        A failure here ends the stream the way vLLM ends one that fails: an error event naming
+        the cause, then ``[DONE]`` (not a connection cut mid-body), and the request is aborted."""
+        try:
+            async for line in self._decorate_lines(lines, trackers, _fmt(request)):
+                yield line
+        except Exception as exc:  # (vLLM's own failures are events already: only ours get here)
+            logger.exception("auxout: the routes of a streamed response could not be encoded")
+            message = f"auxout could not encode this response's routes ({type(exc).__name__}: {exc}); the request was aborted"
+            yield f"data: {_error_event(serving, message)}\n\n"
+            yield "data: [DONE]\n\n"
+            aclose = getattr(lines, "aclose", None)
+            if aclose is not None:
+                await aclose()  # (closing vLLM's generator aborts the request in the engine)
+
+    async def _decorate_lines(self, lines: AsyncIterator[str], trackers: dict[int, ChoiceRows],
+                              fmt: str) -> AsyncIterator[str]:
         async for line in lines:
             if not line.startswith("data: {") or not trackers:
                 yield line
@@ -341,6 +358,16 @@ class RouteResponder:
                     choice.update(tracker.facts)
                     changed = True
             yield f"data: {json.dumps(data, separators=(',', ':'))}\n\n" if changed else line
+
+
+def _error_event(serving: Any, message: str) -> str:
+    """A stream's error event as vLLM writes its own (``{"error": {...}}``), status 500."""
+    from http import HTTPStatus
+
+    make = getattr(serving, "create_streaming_error_response", None)
+    if make is not None:
+        return str(make(message, err_type="InternalServerError", status_code=HTTPStatus.INTERNAL_SERVER_ERROR))
+    return json.dumps({"error": {"message": message, "type": "InternalServerError", "param": None, "code": 500}})
 
 
 def _num_prompts(prompt: Any) -> int:
@@ -479,7 +506,7 @@ def install(options: VllmOptions, *, max_sessions: int = 4096, max_session_token
         trackers: dict[int, ChoiceRows] = {}
         tapped = _tap(result_generator, trackers, request.n or 1, {}, indexed=True)
         lines = original_cmpl_stream(self, request, engine_inputs, tapped, *args, **kwargs)
-        return responder.decorate_stream(lines, trackers, request)
+        return responder.decorate_stream(lines, trackers, request, self)
 
     OpenAIServingCompletion.completion_stream_generator = cmpl_stream  # type: ignore[method-assign]
 
@@ -511,7 +538,7 @@ def install(options: VllmOptions, *, max_sessions: int = 4096, max_session_token
         trackers: dict[int, ChoiceRows] = {}
         tapped = _tap(result_generator, trackers, request.n or 1, {}, indexed=False)
         lines = original_chat_stream(self, request, tapped, *args, **kwargs)
-        return responder.decorate_stream(lines, trackers, request)
+        return responder.decorate_stream(lines, trackers, request, self)
 
     OpenAIServingChat.chat_completion_stream_generator = chat_stream  # type: ignore[method-assign]
     _install_batch_chat(responder, _experts)
