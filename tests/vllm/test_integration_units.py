@@ -564,3 +564,26 @@ def test_a_stream_whose_routes_fail_to_encode_ends_with_an_error_event_and_is_ab
     error = json.loads(out[0][len("data: ") :])["error"]
     assert "rows of an unknown shape" in error["message"] and "aborted" in error["message"]
     assert error["code"] == 500 and closed == [True]
+
+
+def test_unreadable_weight_rows_fail_their_own_completion_not_vllms_output_loop():
+    """``split_output`` runs inside vLLM's output loop, where a raise stops every request's output:
+    rows it cannot read fail that completion (``finish_reason="error"``, the reason in ``stop_reason``)."""
+    from vllm.outputs import CompletionOutput
+
+    from auxout.integrations.vllm.weights_output import split_output
+
+    def completion(rows: np.ndarray, finish: str | None) -> CompletionOutput:
+        return CompletionOutput(0, "", [5, 6], None, None, finish_reason=finish, routed_experts=rows)
+
+    bad = completion(np.zeros((2, 2, 4, 7), np.uint8), "length")  # 7-byte items: no id + float32 weight
+    split_output(bad)
+    assert bad.routed_experts is None and bad.finish_reason == "error"
+    assert "auxout could not read its routes" in bad.stop_reason and "float32" in bad.stop_reason
+    streaming = completion(np.zeros((1, 2, 4, 7), np.uint8), None)  # not finished: rows dropped, nothing ended
+    split_output(streaming)
+    assert streaming.routed_experts is None and streaming.finish_reason is None
+    empty = completion(np.zeros((0, 2, 4, 5), np.uint8), "length")  # no rows at all: empty ids and weights
+    split_output(empty)
+    assert empty.finish_reason == "length" and empty.routed_experts.shape == (0, 2, 4)
+    assert empty.routing_weights.shape == (0, 2, 4) and empty.routing_weights.dtype == np.float32

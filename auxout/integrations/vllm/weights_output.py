@@ -11,6 +11,7 @@ engine and are untouched.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -19,13 +20,26 @@ from auxout.integrations.vllm.options import WEIGHTS_OUTPUT
 from auxout.profile import is_route_bytes, rows_from_bytes, split_rows
 
 _INSTALLED = False
+logger = logging.getLogger("auxout.vllm")
 
 
 def split_output(output: Any) -> None:
-    """Replace a ``CompletionOutput``'s byte rows by ids + ``routing_weights`` (no-op for ids)."""
+    """Replace a ``CompletionOutput``'s byte rows by ids + ``routing_weights`` (no-op for ids).
+
+    Runs inside vLLM's output loop, where an exception would stop the output of every request
+    (a dead server): rows that cannot be read fail their own request instead (``finish_reason``
+    ``"error"``, the reason in ``stop_reason``, as a request whose routes are unavailable)."""
     rows = getattr(output, "routed_experts", None)
     if isinstance(rows, np.ndarray) and is_route_bytes(rows):
-        ids, weights = split_rows(rows_from_bytes(rows))
+        try:
+            ids, weights = split_rows(rows_from_bytes(rows))
+        except Exception as exc:
+            logger.exception("auxout: the routing weights of a completion could not be read")
+            output.routed_experts = None
+            if output.finish_reason is not None:
+                output.finish_reason = "error"
+                output.stop_reason = f"auxout could not read its routes ({type(exc).__name__}: {exc})"
+            return
         output.routed_experts = ids
         setattr(output, WEIGHTS_OUTPUT, weights)
 
