@@ -1,9 +1,11 @@
 """Soak ``auxout serve``: N concurrent clients for a set time, then the same load against plain vLLM.
 
 The load mixes what an RL rollout fleet sends and meets: greedy and seeded sampled requests,
-multi-turn continuations (prefix hits with ``routed_experts_prompt_start``), clients that hang up
-before the answer (disconnects) or drop a stream after the first chunk (aborts), and bad
-requests (must be 400). The KV cache is kept small (``--kv-blocks``), so long prompts preempt each
+multi-turn continuations (prefix hits with ``routed_experts_prompt_start``), streamed requests
+(``n`` of 1-2, a prompt start anywhere up to the prompt's end, routing weights half the time: each
+choice's chunks stitched and checked whole), clients that hang up before the answer (disconnects)
+or drop a stream after the first chunk (aborts), bad requests (must be 400) and, with
+``--reset-every``, weight syncs mid-load (pause, reset the prefix cache, resume). The KV cache is kept small (``--kv-blocks``), so long prompts preempt each
 other, and the route store is sized from it, so it runs full. Every ``--check-every``-th
 answer's routes are compared with transformers' full forward of the same tokens (expert sets
 per token and layer).
@@ -13,7 +15,7 @@ connection where none was asked for), the server's RSS over time (growth after w
 < 5%), and p50/p99 latency of completed requests with routes on vs a plain vLLM server (same
 load, same seed, run afterwards for ``--off-duration``).
 
-    python benchmarks/soak.py [--duration 600] [--clients 8] [--off-duration 120]
+    python benchmarks/soak.py [--duration 600] [--clients 8] [--off-duration 120] [--reset-every 30]
 """
 
 from __future__ import annotations
@@ -190,7 +192,8 @@ def free_port() -> int:
 def start_server(cmd: list[str], log: Path, port: int) -> subprocess.Popen:
     import httpx
 
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+           "VLLM_SERVER_DEV_MODE": "1"}  # (--reset-every: vLLM's /pause, /reset_prefix_cache, /resume)
     with open(log, "wb") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 400
@@ -281,6 +284,9 @@ def client_loop(
                             break
                     tally.add("abort")
                     continue
+                if kind == "stream":
+                    stream_request(client, body, routes, rng, prompt, tally, checker if n % args.check_every == 0 else None)
+                    continue
                 if kind == "bad":
                     bad = rng.choice([
                         {"routed_experts_prompt_start": True}, {"prompt": [10**6]},
@@ -328,6 +334,97 @@ def client_loop(
                     )
 
 
+def stream_request(
+    client: Any, body: dict[str, Any], routes: bool, rng: random.Random, prompt: list[int], tally: Tally,
+    checker: RouteChecker | None,
+) -> None:  # fmt: skip
+    """A streamed request with n of 1-2 (sampled), a prompt start anywhere up to the prompt's end
+    and, half the time, routing weights: each choice's chunks are stitched and checked whole."""
+    from auxout.wire import decode_routes
+
+    n = rng.choice([1, 2])
+    body = {**body, "stream": True, "n": n}
+    if n > 1:
+        body.update(temperature=1.0, **({"seed": rng.randrange(1 << 30)} if routes else {}))
+    start = 0
+    if routes:
+        start = rng.choice([0, rng.randint(0, len(prompt)), len(prompt)])
+        body["routed_experts_prompt_start"] = start
+        if rng.random() < 0.5:
+            body["return_routing_weights"] = True
+    t0 = time.perf_counter()
+    choices: dict[int, dict[str, Any]] = {i: {"out": [], "ids": [], "w": [], "next": None, "end": None} for i in range(n)}
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            tally.add("failed", failure=f"stream: {r.status_code} {r.read()[:300]!r}")
+            return
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                tally.add("failed", failure=f"stream: error event {event['error']}")
+                return
+            for c in event.get("choices", []):
+                d = choices[c["index"]]
+                d["out"] += c.get("token_ids") or []
+                if c.get("routed_experts") is not None:
+                    if d["next"] is not None and c["routed_experts_start"] != d["next"]:
+                        tally.add("failed", failure=f"stream: rows at {c['routed_experts_start']}, expected {d['next']}")
+                        return
+                    rows = decode_routes(c)
+                    d["ids"].append(rows)
+                    d["next"] = c["routed_experts_start"] + len(rows)
+                    if body.get("return_routing_weights"):
+                        d["w"].append(decode_routes(c, "routing_weights"))
+                d["end"] = c.get("finish_reason") or d["end"]
+    tally.add("stream", latency=time.perf_counter() - t0)
+    for i, d in choices.items():
+        if d["end"] is None:
+            tally.add("failed", failure=f"stream: choice {i} never finished")
+            continue
+        if not routes:
+            continue
+        ids = np.concatenate(d["ids"]) if d["ids"] else np.zeros((0, 0, 0), np.uint8)
+        tokens = prompt + d["out"]
+        if len(ids) != max(len(tokens) - 1 - start, 0):
+            tally.add("failed", failure=f"stream: {len(ids)} rows for {len(tokens)} tokens from {start}")
+            continue
+        if body.get("return_routing_weights"):
+            w = np.concatenate(d["w"]) if d["w"] else np.zeros((0,), np.float32)
+            if w.shape != ids.shape or not np.isfinite(w).all():
+                tally.add("failed", failure=f"stream: weights {w.shape} for ids {ids.shape}")
+                continue
+        if checker is None or not len(ids):
+            continue
+        bad_rows, tie_rows, details = checker.wrong_rows(tokens, ids, start)
+        with tally.lock:
+            tally.checked += 1
+            tally.wrong += bad_rows
+            tally.ties += tie_rows
+            if bad_rows or tie_rows:
+                tally.failures.append(f"stream: {bad_rows} wrong and {tie_rows} near-tie rows (start {start}): "
+                                      + "; ".join(details[:4]))
+
+
+def resetter(base: str, every: float, stop_at: float, tally: Tally) -> None:
+    """A weight sync every ``every`` seconds, as an RL trainer does it through vLLM's dev API:
+    pause (keep requests), reset the prefix cache with the running requests, resume."""
+    import httpx
+
+    with httpx.Client(base_url=base, timeout=120) as client:
+        while time.monotonic() + every < stop_at:
+            time.sleep(every)
+            for path, params in (("/pause", {"mode": "keep", "clear_cache": "false"}),
+                                 ("/reset_prefix_cache", {"reset_running_requests": "true"}), ("/resume", {})):
+                r = client.post(path, params=params)
+                if r.status_code != 200:
+                    tally.add("failed", failure=f"reset: {path} answered {r.status_code} {r.text[:200]}")
+                    break
+            else:
+                tally.add("weight-sync")
+
+
 def run_phase(
     name: str, cmd: list[str], port: int, model: str, routes: bool, duration: float, args: argparse.Namespace,
     checker: RouteChecker | None, log: Path,
@@ -345,6 +442,10 @@ def run_phase(
         )
         for c in range(args.clients)
     ]
+    if args.reset_every:
+        threads.append(threading.Thread(
+            target=resetter, args=(f"http://127.0.0.1:{port}", args.reset_every, stop_at, tally), daemon=True,
+        ))  # fmt: skip
     for t in threads:
         t.start()
     while any(t.is_alive() for t in threads):
@@ -407,9 +508,10 @@ def main() -> int:
     p.add_argument("--rss-every", type=float, default=5.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--mix", default="greedy=30,seeded=20,turn=25,disconnect=8,abort=8,bad=4",
+        "--mix", default="greedy=25,seeded=15,turn=20,stream=15,disconnect=8,abort=8,bad=4",
         help="request kinds and their weights",
     )  # fmt: skip
+    p.add_argument("--reset-every", type=float, default=0, help="a weight sync (pause, reset, resume) every S seconds")
     p.add_argument("--dump", type=Path, default=None, help="write each mismatching answer here (JSON) to replay it")
     args = p.parse_args()
     off_duration = args.duration / 4 if args.off_duration is None else args.off_duration
@@ -431,7 +533,8 @@ def main() -> int:
             continue
         port = free_port()
         if routes:
-            cmd = [sys.executable, "-m", "auxout.cli", "serve", path, "--port", str(port), *common]
+            cmd = [sys.executable, "-m", "auxout.cli", "serve", path, "--port", str(port), *common,
+                   "--auxout-routing-weights", "true"]
         else:
             cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--port", str(port), *common]
         print(f"[{name}] {duration:.0f} s, {args.clients} clients, log {logdir}")
