@@ -244,6 +244,27 @@ def print_phases(prefix: str) -> None:
         )
 
 
+def pin_front_end() -> None:
+    """--pin: keep this process and the engine core off the CPUs vLLM bound its workers to.
+
+    vLLM-CPU binds each worker to its cores and reserves the rest for the front end and the engine
+    core, but leaves those two free to run on the worker's cores too."""
+    import psutil
+
+    procs = [psutil.Process(), *psutil.Process().children(recursive=True)]
+    everything = set(os.sched_getaffinity(0))
+    bound = {p.pid: set(p.cpu_affinity()) for p in procs}
+    workers = set().union(*(cpus for cpus in bound.values() if cpus != everything))
+    rest = everything - workers
+    if not workers or not rest:
+        raise SystemExit(f"--pin: no CPU left beside the workers' {sorted(workers)} of {sorted(everything)}")
+    for p in procs:
+        if bound[p.pid] == everything:
+            for t in p.threads():  # (affinity is per thread: the ones already running keep theirs)
+                os.sched_setaffinity(t.id, rest)
+    print(f"pinned the front end and engine core to CPUs {sorted(rest)}; workers on {sorted(workers)}")
+
+
 def measure(args: argparse.Namespace) -> int:
     """In the process with the switch installed: the cycles, then the ratios."""
     from engine_overhead import make_engine, model_path, run_once
@@ -258,6 +279,8 @@ def measure(args: argparse.Namespace) -> int:
         return run_once(llm, args, rep)
 
     llm = make_engine(model_path(args), True, args)
+    if args.pin:
+        pin_front_end()
     batch(True, -1)  # warm-up, both modes
     batch(False, -2)
     for routes in (True, False, True):  # the switch works both ways: routes only while on
@@ -308,6 +331,7 @@ def main() -> int:
         "--off-mode", choices=("plain", "capture"), default="plain",
         help="capture: 'off' keeps the routers' capture bound (then on/off is the connectors' cost alone)",
     )  # fmt: skip
+    p.add_argument("--pin", action="store_true", help="keep the front end and engine core off the workers' CPUs")
     p.add_argument("--phases", action="store_true", help="also time vLLM's phases per mode (timers add their own cost)")
     args = p.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
