@@ -300,6 +300,30 @@ def test_n_echo_logprobs_and_stop_strings(server, oracle):
     check(oracle, prompt + out, rows, 0)
 
 
+def test_structured_outputs_and_truncated_prompts(server, oracle):
+    """Grammar-constrained sampling changes which tokens come out, not how routes line up; a
+    truncated prompt's positions (and prompt start) count in the prompt the response returns."""
+    regex = {"structured_outputs": {"regex": "[a-z]{3,6}"}}
+    for so in ({"structured_outputs": {"choice": ["yes", "no", "maybe"]}}, regex):
+        r = server.post("/v1/completions", json=body(server, prompt="alpha beta gamma", max_tokens=12, **so))
+        assert r.status_code == 200, r.text
+        c = r.json()["choices"][0]
+        check(oracle, c["prompt_token_ids"] + c["token_ids"], decode_routes(c), 0)
+    events = sse(server, "/v1/completions", body(server, prompt="alpha beta gamma", max_tokens=12, n=2,
+                                                 temperature=1.0, seed=3, **regex))  # fmt: skip
+    for index in (0, 1):
+        start, rows, prompt_ids, out = stitched(events, index)
+        check(oracle, prompt_ids + out, rows, start)
+    prompt = random_prompt(np.random.default_rng(85), 120)
+    for start in (0, 30):
+        r = server.post("/v1/completions", json=body(server, prompt=prompt, max_tokens=5, truncate_prompt_tokens=50,
+                                                     routed_experts_prompt_start=start))  # fmt: skip
+        assert r.status_code == 200, r.text
+        c = r.json()["choices"][0]
+        assert c["prompt_token_ids"] == prompt[-50:] and c["routed_experts_start"] == start
+        check(oracle, prompt[-50:] + c["token_ids"], decode_routes(c), start)
+
+
 def test_keys_only_over_http_returns_a_manifest(server, oracle):
     prompt = random_prompt(np.random.default_rng(84), 50)
     r = server.post("/v1/completions", json=body(
