@@ -571,7 +571,8 @@ def test_batch_chat_choices_carry_their_conversations_routes(server, oracle):
     assert [c["index"] for c in choices] == [0, 1]
     for conv, c in zip(convs, choices):
         single = server.post("/v1/chat/completions", json=body(server, messages=conv, max_tokens=5)).json()
-        tokens = single["prompt_token_ids"] + c["token_ids"]  # (the batch reports no prompt ids: the same chat's)
+        assert c["prompt_token_ids"] == single["prompt_token_ids"]  # (vLLM's batch response has none: auxout adds them)
+        tokens = c["prompt_token_ids"] + c["token_ids"]
         assert c["token_ids"] == single["choices"][0]["token_ids"]
         assert c["routed_experts_format"] == "packed" and c["routed_experts_start"] == 0
         ids, weights = decode_routes(c), decode_routes(c, "routing_weights")

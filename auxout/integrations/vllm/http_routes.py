@@ -550,7 +550,9 @@ def _install_batch_chat(responder: RouteResponder, experts: Callable[[Any], None
     """``/v1/chat/completions/batch``: each conversation's choice gets its routes, as in chat.
 
     vLLM builds that response itself (choice ``i`` is conversation ``i``; ``n`` must be 1) and
-    leaves ``routed_experts`` null, so without this a batch answered without routes, silently.
+    leaves ``routed_experts`` null, so without this a batch answered without routes, silently. It
+    also reports no prompt token ids, so with ``return_token_ids`` each choice gets its
+    conversation's (the templated prompt its routes start on).
     """
     try:
         from vllm.entrypoints.openai.chat_completion.batch_serving import OpenAIServingChatBatch
@@ -581,6 +583,11 @@ def _install_batch_chat(responder: RouteResponder, experts: Callable[[Any], None
         if hasattr(response, "choices"):
             found = {i: (res, res.outputs[0]) for i, res in last.items() if res.outputs}
             responder.decorate_choices(response, request, found)
+            if getattr(request, "return_token_ids", False):  # (vLLM's batch response has no prompt ids at all)
+                for choice in response.choices:
+                    res = last.get(choice.index)
+                    if res is not None and getattr(choice, "prompt_token_ids", None) is None:
+                        choice.prompt_token_ids = list(res.prompt_token_ids or [])
         return response
 
     OpenAIServingChatBatch.chat_completion_full_generator_batch = full  # type: ignore[method-assign]
