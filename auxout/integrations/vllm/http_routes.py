@@ -587,7 +587,7 @@ def _install_batch_chat(responder: RouteResponder, experts: Callable[[Any], None
                 for choice in response.choices:
                     res = last.get(choice.index)
                     if res is not None and getattr(choice, "prompt_token_ids", None) is None:
-                        choice.prompt_token_ids = list(res.prompt_token_ids or [])
+                        choice.prompt_token_ids = list(res.prompt_token_ids or [])  # type: ignore[union-attr]  # (extra field)
         return response
 
     OpenAIServingChatBatch.chat_completion_full_generator_batch = full  # type: ignore[method-assign]
