@@ -111,7 +111,7 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gen", type=int, default=128)
     p.add_argument(
         "--async-scheduling", action="store_true",
-        help="vLLM's async scheduler (the engine core schedules the next step during the forward)",
+        help="ask for vLLM's async scheduler (vLLM-CPU's platform hook turns it off again: no effect on CPU)",
     )  # fmt: skip
 
 
