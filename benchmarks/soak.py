@@ -5,8 +5,9 @@ multi-turn continuations (prefix hits with ``routed_experts_prompt_start``), str
 (``n`` of 1-2, a prompt start anywhere up to the prompt's end, routing weights half the time: each
 choice's chunks stitched and checked whole), clients that hang up before the answer (disconnects)
 or drop a stream after the first chunk (aborts), bad requests (must be 400) and, with
-``--reset-every``, weight syncs mid-load (pause, reset the prefix cache, resume). The KV cache is kept small (``--kv-blocks``), so long prompts preempt each
-other, and the route store is sized from it, so it runs full. Every ``--check-every``-th
+``--reset-every``, weight syncs mid-load (pause, reset the prefix cache, resume). The KV cache is
+kept small (``--kv-blocks``), so long prompts preempt each other, and the route store is sized
+from it, so it runs full. Every ``--check-every``-th
 answer's routes are compared with transformers' full forward of the same tokens (expert sets
 per token and layer).
 
@@ -58,6 +59,15 @@ class Tally:
             if latency is not None:
                 self.latencies.append(latency)
             if failure is not None and len(self.failures) < 50:
+                self.failures.append(failure)
+
+    def add_check(self, wrong: int, ties: int, failure: str) -> None:
+        """One answer's routes checked: ``wrong`` and near-tie rows; ``failure`` says where if any."""
+        with self.lock:
+            self.checked += 1
+            self.wrong += wrong
+            self.ties += ties
+            if wrong or ties:
                 self.failures.append(failure)
 
 
@@ -319,19 +329,12 @@ def client_loop(
                 continue
             got = np.load(io.BytesIO(base64.b64decode(b64)))
             bad_rows, tie_rows, details = checker.wrong_rows(prompt + out, got, start)
-            with tally.lock:
-                tally.checked += 1
-                tally.wrong += bad_rows
-                tally.ties += tie_rows
-                if bad_rows and args.dump is not None:
-                    args.dump.mkdir(parents=True, exist_ok=True)
-                    case = {"kind": kind, "body": body, "choice": choice, "details": details}
-                    (args.dump / f"case-{cid}-{n}.json").write_text(json.dumps(case))
-                if bad_rows or tie_rows:
-                    tally.failures.append(
-                        f"{kind}: {bad_rows} wrong and {tie_rows} near-tie route rows (prompt {len(prompt)}, "
-                        f"start {start}): " + "; ".join(details[:4])
-                    )
+            if bad_rows and args.dump is not None:
+                args.dump.mkdir(parents=True, exist_ok=True)
+                case = {"kind": kind, "body": body, "choice": choice, "details": details}
+                (args.dump / f"case-{cid}-{n}.json").write_text(json.dumps(case))
+            tally.add_check(bad_rows, tie_rows, f"{kind}: {bad_rows} wrong and {tie_rows} near-tie route rows "
+                            f"(prompt {len(prompt)}, start {start}): " + "; ".join(details[:4]))  # fmt: skip
 
 
 def stream_request(
@@ -398,13 +401,8 @@ def stream_request(
         if checker is None or not len(ids):
             continue
         bad_rows, tie_rows, details = checker.wrong_rows(tokens, ids, start)
-        with tally.lock:
-            tally.checked += 1
-            tally.wrong += bad_rows
-            tally.ties += tie_rows
-            if bad_rows or tie_rows:
-                tally.failures.append(f"stream: {bad_rows} wrong and {tie_rows} near-tie rows (start {start}): "
-                                      + "; ".join(details[:4]))
+        tally.add_check(bad_rows, tie_rows, f"stream: {bad_rows} wrong and {tie_rows} near-tie route rows "
+                        f"(prompt {len(prompt)}, start {start}): " + "; ".join(details[:4]))  # fmt: skip
 
 
 def resetter(base: str, every: float, stop_at: float, tally: Tally) -> None:
