@@ -91,6 +91,8 @@ class _DecodeLane:
     meta_known: np.ndarray | None = None
     meta_perm: np.ndarray | None = None
     meta_ends: list[list[int]] | None = None
+    batch_ends: list[list[int]] | None = None  # ``ends`` as lists, in the batch's order (peek_lane_step)
+    q_list: list[int] = field(default_factory=list)  # the batch's query_start_loc (peek_lane_step)
     # lane steps whose rows are not in the staging pool yet, as (window row, step rows): written
     # together when a tail fills, the window ends or the lane is left (``_settle_lane``)
     pending: list[tuple[int, np.ndarray]] = field(default_factory=list)
@@ -945,7 +947,7 @@ class WorkerConnector:
             self._settle_lane(lane)  # (with this window's rows and cursors)
             ramp = self._ramp
             lane.ends, lane.flats = lane.ends[j] + ramp, lane.flats[j - 1] + 1 + ramp[:-1]
-            lane.meta_ends = None
+            lane.meta_ends = lane.batch_ends = None
             lane.j = 0
         due = lane.due.pop(lane.step, None)
         lane.step += 1
@@ -957,6 +959,47 @@ class WorkerConnector:
             lost, self._lost = self._lost, []
         one_row = ts.tolist() if lane.q0 == 0 else None  # (lo == arange(n): see StepOutput)
         return StepOutput(p.req_ids, ts, lane.lo, lane.hi, rows, {}, published, lost, one_row_starts=one_row)
+
+    def peek_lane_step(
+        self, meta: StepMetadata, req_ids: list[str], token_starts: list[int], query_start_loc: list[int],
+        rows: np.ndarray,
+    ) -> StepOutput | None:  # fmt: skip
+        """What ``begin_step(meta)``, ``prepare_output(..., final=True)`` and ``process_output``
+        would return for the decode lane's next step, without doing any of it; None if the step
+        is not that one (or could end otherwise: a terminal event, a new generation, a report due).
+
+        Lets an engine send a steady decode step's output first and make the three calls after
+        it (the connector's state moves only then; the caller checks they agree). The output's
+        ``published``/``lost`` are empty: those calls report them, for a later output. The
+        cursors come as plain lists (``query_start_loc`` with the ``n + 1`` entries of the batch):
+        the check runs no numpy, whose first calls after a forward cost microseconds each.
+        ``rows`` must have the profile's dtype and row shape (``prepare_output`` checks it, after);
+        the output keeps ``req_ids`` (a list the caller no longer changes).
+        """
+        lane = self._lane
+        if (
+            lane is None or self._closed or self._pending_steps or self.max_concurrent_batches != 1
+            or meta.finished or meta.generation != self.generation or self._weights_report is not None
+        ):  # fmt: skip
+            return None
+        begin, prep = self._begin_cache, self._prepare_cache
+        epoch = self._slot_epoch
+        if begin is None or prep is None or begin[0] != epoch or prep[0] != epoch or prep[2] is not lane.slots:
+            return None
+        reqs = meta.requests
+        if prep[1] != req_ids or begin[1] != list(reqs):
+            return None
+        if self._lane_emit_starts(lane, begin[2]) != list(reqs.values()):  # (begin_step's steady check)
+            return None
+        if lane.batch_ends is None:  # (once per window)
+            lane.batch_ends = lane.ends.tolist()
+            lane.q_list = np.frombuffer(lane.q_bytes, dtype=_I64).tolist()
+        if token_starts != lane.batch_ends[lane.j] or query_start_loc != lane.q_list or len(rows) < lane.q_list[-1]:
+            return None
+        return StepOutput(
+            req_ids, lane.ends[lane.j], lane.lo, lane.hi, rows, {}, [], [],
+            one_row_starts=token_starts if lane.q0 == 0 else None,
+        )  # fmt: skip
 
     def _lane_emit_starts(self, lane: _DecodeLane, known: np.ndarray) -> list[int] | None:
         """The lane batch's emit cursors in the order of ``known`` (its slots as the metadata lists

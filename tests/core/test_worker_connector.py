@@ -11,6 +11,8 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import pytest
 from fake_requests import Req, h
+from hypothesis import given, settings
+from hypothesis import strategies as hs
 
 from auxout.errors import InvariantError, ObjectMissingError, PoolExhaustedError, RoutesUnavailableError
 from auxout.keys import KeySpace, PackedHashes
@@ -1111,3 +1113,111 @@ def test_lane_rows_written_late_reach_the_store_when_the_batch_changes_mid_block
             assert_emits(out, r, k, t[r][k : k + 1])
     assert w.lane_steps >= 3  # the lane ran (a mid-block stretch of it included), and was left
     assert stored(spy, key(100), key(101)) == t["a"][: 2 * BS].tobytes()
+
+
+# == a steady decode step's output, predicted before the connector runs (peek_lane_step) =============
+def _peeked_step(
+    w: WorkerConnector, m: StepMetadata, batch: Sequence[tuple[str, int, np.ndarray]]
+) -> tuple[StepOutput | None, StepOutput]:
+    """``peek_lane_step``, then the three calls an engine makes: (what was predicted, what they returned)."""
+    qsl = [0]
+    for _, _, rows in batch:
+        qsl.append(qsl[-1] + len(rows))
+    rows = np.concatenate([b[2] for b in batch]) if batch else PROF.empty(0)
+    ids, starts = [b[0] for b in batch], [b[1] for b in batch]
+    peek = w.peek_lane_step(m, list(ids), list(starts), list(qsl), rows)
+    w.begin_step(m)
+    p = w.prepare_output(ids, starts, qsl, rows, final=True)
+    assert p is not None
+    return peek, w.process_output(p)
+
+
+_sched_op = hs.sampled_from(["decode"] * 14 + ["add", "add", "finish", "stall"])
+
+
+@settings(max_examples=150, deadline=None)
+@given(hs.lists(_sched_op, min_size=1, max_size=90), hs.integers(0, 2**16))
+def test_a_peeked_lane_step_is_what_the_connector_then_returns(ops: list[str], seed: int) -> None:
+    """Whenever ``peek_lane_step`` predicts an output, the real calls return exactly it (same spans,
+    starts and rows), and peeking changes nothing: a second worker that never peeks emits and
+    stores the same. Random batches: requests join with a prefill, finish, or sit a step out."""
+    rng = np.random.default_rng(seed)
+    peeker, spy_p = make(capacity=256, max_num_seqs=4)
+    plain, spy_q = make(capacity=256, max_num_seqs=4)
+    routes: dict[str, np.ndarray] = {}
+    pos: dict[str, int] = {}  # live requests: tokens computed
+    nhash: dict[str, int] = {}
+    order: list[str] = []
+    hits = 0
+    for k, op in enumerate(["add", "add", *ops]):  # (two requests to start with)
+        finished: tuple[str, ...] = ()
+        batch_ids = list(order)
+        if op == "add" and len(order) < 3:
+            rid = f"r{k}"
+            routes[rid], pos[rid], nhash[rid] = oracle(1000 + k, 160), 0, 0
+            order.append(rid)
+            batch_ids = list(order)
+        elif op == "finish" and order:
+            gone = order.pop(int(rng.integers(len(order))))
+            finished, batch_ids = (gone,), list(order)
+        elif op == "stall" and len(order) > 1:
+            batch_ids = [r for r in order if r != order[int(rng.integers(len(order)))]]
+        n = {r: (int(rng.integers(1, 7)) if pos[r] == 0 else 1) for r in batch_ids}
+        n = {r: c for r, c in n.items() if pos[r] + c <= len(routes[r])}
+        batch_ids = [r for r in batch_ids if r in n]
+        hashes = {}
+        for r in batch_ids:
+            done = (pos[r] + n[r]) // BS
+            if done > nhash[r]:
+                hashes[r] = [int(r[1:]) * 1000 + b for b in range(nhash[r], done)]
+                nhash[r] = done
+        m = meta({r: pos[r] for r in batch_ids}, hashes, finished)
+        batch = [(r, pos[r], routes[r][pos[r] : pos[r] + n[r]]) for r in batch_ids]
+        if not batch:  # (nothing scheduled: the engine makes no connector call but the metadata's)
+            peeker.begin_step(m)
+            plain.begin_step(m)
+            continue
+        peek, out = _peeked_step(peeker, m, batch)
+        plain.begin_step(m)
+        p = prepare(plain, batch) if batch else None
+        assert p is not None
+        ref = plain.process_output(p)
+        for r, start, rows in batch:
+            assert_emits(out, r, start, rows)
+            assert_emits(ref, r, start, rows)
+        if peek is not None:
+            hits += 1
+            assert out.lo is peek.lo and out.hi is peek.hi and out.rows is peek.rows
+            assert out.token_starts.tolist() == peek.token_starts.tolist() == [b[1] for b in batch]
+            assert out.one_row_starts == peek.one_row_starts and out.req_ids == peek.req_ids
+            assert not out.errors and not out.heads and out.weights is None
+            assert peek.published == [] and peek.lost == []
+        for r in batch_ids:
+            pos[r] += n[r]
+    assert spy_p.puts == spy_q.puts  # (peeking never moved the connector: same publications and pins)
+    if hits:  # (a prediction was checked above: the lane ran)
+        assert peeker.lane_steps >= hits
+
+
+def test_peek_predicts_the_steady_decode_steps_and_nothing_else() -> None:
+    """Two requests decoding: after the lane starts every step is predicted, block fills included;
+    a terminal event, a new generation or a different batch is not."""
+    t = {"a": oracle(31, 64), "b": oracle(32, 64)}
+    w, _ = make()
+    predicted = []
+    for s in range(40):
+        hashes = {r: [{"a": 100, "b": 200}[r] + (s + 1) // BS] for r in "ab"} if (s + 1) % BS == 0 else None
+        peek, out = _peeked_step(w, meta({"a": s, "b": s}, hashes), [(r, s, t[r][s : s + 1]) for r in "ab"])
+        predicted.append(peek is not None)
+        for r in "ab":
+            assert_emits(out, r, s, t[r][s : s + 1])
+    assert not any(predicted[:2]) and all(predicted[3:]), predicted  # (the lane opens at the third step)
+    s = 40
+    rows = np.concatenate([t[r][s : s + 1] for r in "ab"])
+    assert w.peek_lane_step(meta({"a": s, "b": s}), ["a", "b"], [s, s], [0, 1, 2], rows) is not None
+    assert w.peek_lane_step(meta({"a": s}, finished=("b",)), ["a"], [s], [0, 1], rows[:1]) is None
+    assert w.peek_lane_step(meta({"a": s, "b": s}, generation=1), ["a", "b"], [s, s], [0, 1, 2], rows) is None
+    assert w.peek_lane_step(meta({"b": s, "a": s}), ["b", "a"], [s, s], [0, 1, 2], rows) is None
+    assert w.peek_lane_step(meta({"a": s, "b": s}), ["a", "b"], [s, s + 1], [0, 1, 2], rows) is None
+    assert w.peek_lane_step(meta({"a": s, "b": s + 1}), ["a", "b"], [s, s], [0, 1, 2], rows) is None
+    assert w.peek_lane_step(meta({"a": s, "b": s}), ["a", "b"], [s, s], [0, 1, 3], rows) is None
