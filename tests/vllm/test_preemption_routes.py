@@ -61,6 +61,23 @@ def test_preemption_keeps_routes_exact(llm, oracle):
         oracle.check(p, o.outputs[0])
 
 
+def test_decode_steps_sent_before_the_connector_ran_are_exact(llm, oracle):
+    """Steady decode steps go out before the worker's connector runs (``AUXOUT_SEND_AHEAD``): the
+    connector's calls run after the send and must agree. Most of a long decode takes that path,
+    block fills and a request finishing early included, and every row equals the full forward."""
+    rng = np.random.default_rng(23)
+    prompts = [random_prompt(rng, 20 + 3 * i) for i in range(3)]
+    params = [greedy(n) for n in (70, 45, 70)]  # (the second one leaves a batch of two)
+    (before,) = llm.collective_rpc("auxout_rank_state")
+    assert before["send_ahead"] is True
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    (after,) = llm.collective_rpc("auxout_rank_state")
+    sent = after["sent_ahead_steps"] - before["sent_ahead_steps"]
+    assert sent >= 50, f"only {sent} of about 70 decode steps were sent ahead"
+    for p, o in zip(prompts, outs, strict=True):
+        oracle.check(p, o.outputs[0])
+
+
 def test_multi_turn_after_preemption(llm, oracle):
     rng = np.random.default_rng(21)
     first = random_prompt(rng, 70)

@@ -15,6 +15,7 @@ returns the final output itself, it does all of that at once.)
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import Any
 
@@ -22,15 +23,59 @@ import numpy as np
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, AsyncModelRunnerOutput, ModelRunnerOutput
 from vllm.v1.worker.gpu_worker import Worker
 
+from auxout.errors import InvariantError
 from auxout.integrations.vllm.async_output import RoutedAsyncOutput
 from auxout.integrations.vllm.capture import RouteCapture, bind_capture
 from auxout.integrations.vllm.config import route_keyspace, weights_digest
 from auxout.integrations.vllm.options import options_from_vllm_config, shares_routes
 from auxout.integrations.vllm.topology import RankRole, current_role, install_pipeline_rows
+from auxout.metadata import StepOutput
 from auxout.stores import make_store
 from auxout.worker_connector import PendingStep, WorkerConnector
 
 logger = logging.getLogger("vllm.auxout")  # under vLLM's logger: its handlers and format
+
+
+SEND_AHEAD_ENV = "AUXOUT_SEND_AHEAD"
+"""``0`` turns off sending a steady decode step's output before the connector runs (the worker
+then makes the connector's calls before it sends each output, as for any other step)."""
+
+
+class _AfterSend:
+    """The multiprocess executor's output hook: the worker of this process, called after each
+    output it sends (``active`` once it was: only then is a step's output sent ahead)."""
+
+    active = False
+    worker: Any = None
+
+
+_AFTER_SEND = _AfterSend()
+
+
+def install_after_send(worker: Any) -> None:
+    """Call ``worker._auxout_after_send()`` after vLLM's multiprocess executor sends each output.
+
+    ``WorkerProc.enqueue_output`` puts a worker's result on the engine core's response queue;
+    what runs after it runs while the engine core works and the worker would wait. Wrapped in
+    this (worker) process only, once; the uni executor never calls it.
+    """
+    try:
+        from vllm.v1.executor.multiproc_executor import WorkerProc
+    except ImportError:  # (an executor without it: outputs are settled at the next call instead)
+        return
+    if not getattr(WorkerProc.enqueue_output, "_auxout_after_send", False):
+        original = WorkerProc.enqueue_output
+
+        def enqueue_output(self: Any, output: Any) -> None:
+            original(self, output)
+            hooked = _AFTER_SEND.worker
+            if hooked is not None:
+                _AFTER_SEND.active = True
+                hooked._auxout_after_send()
+
+        enqueue_output._auxout_after_send = True  # type: ignore[attr-defined]
+        WorkerProc.enqueue_output = enqueue_output  # type: ignore[method-assign]
+    _AFTER_SEND.worker = worker
 
 
 def num_rejected_tokens(
@@ -58,6 +103,14 @@ class AuxoutWorkerMixin:
     _auxout_executed: tuple[WorkerConnector, Any, int, list[str], Any] | None = None  # forward done, not prepared yet
     # Async scheduling resolves step outputs on the executor's output thread: connector calls lock.
     _auxout_lock: threading.Lock = threading.Lock()
+    # a decode step whose output was sent before the connector ran (``_auxout_send_first``)
+    _auxout_sent: (
+        tuple[WorkerConnector, Any, list[str], list[int], list[int], np.ndarray, StepOutput] | None
+    ) = None
+    _auxout_sent_error: BaseException | None = None  # raised by the worker's next call
+    _auxout_send_ahead = False  # steady decode steps' outputs may be sent before the connector runs
+    _auxout_sent_ahead_steps = 0  # steps whose output went out before the connector ran (rank state)
+    _auxout_late: tuple[list[str], list[str]] = ((), ())  # type: ignore[assignment]  # store reports for the next output
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)  # type: ignore[misc]
@@ -107,8 +160,17 @@ class AuxoutWorkerMixin:
             opts.store, max_bytes=max_bytes, object_nbytes=object_nbytes, background=not producer, **opts.store_options
         )
         if self._auxout_connector is not None:
+            self._auxout_settle()
             self._auxout_connector.close()
         self._auxout_lock = threading.Lock()
+        self._auxout_late = ((), ())  # type: ignore[assignment]
+        # a step's output is sent before its connector calls only where nothing reads its
+        # publications before the next step (not a KV producer) and one step is in flight
+        self._auxout_send_ahead = (
+            not sched.async_scheduling and not producer and os.environ.get(SEND_AHEAD_ENV, "1") != "0"
+        )
+        if self._auxout_send_ahead:
+            install_after_send(self)
         self._auxout_connector = WorkerConnector(
             profile,
             block_size=hash_block,
@@ -127,6 +189,8 @@ class AuxoutWorkerMixin:
         )
 
     def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._auxout_sent is not None or self._auxout_sent_error is not None:
+            self._auxout_settle()  # (normally done already, right after the last output was sent)
         conn = self._auxout_connector
         meta = getattr(scheduler_output, "aux_output_connector_metadata", None)
         if conn is not None and (meta is None or scheduler_output.total_num_scheduled_tokens == 0):
@@ -149,10 +213,101 @@ class AuxoutWorkerMixin:
         output = super().sample_tokens(*args, **kwargs)  # type: ignore[misc]
         step, self._auxout_executed = self._auxout_executed, None
         if step is not None:
-            self._auxout_prepare(step)
+            rows = (
+                self._auxout_send_first(step, output)
+                if self._auxout_send_ahead and _AFTER_SEND.active
+                else None
+            )
+            if rows is True:
+                return output
+            self._auxout_prepare(step, rows)
         return self._auxout_finish(output)
 
-    def _auxout_prepare(self, step: tuple[WorkerConnector, Any, int, list[str], Any]) -> None:
+    def _auxout_send_first(self, step: tuple[WorkerConnector, Any, int, list[str], Any], output: Any) -> Any:
+        """A steady decode step's output, sent before the connector runs (True), else its snapshot.
+
+        The worker process waits for its next step while the engine core takes this one's
+        output and schedules; work done in that wait costs no throughput, work done before the
+        output is sent does (docs/performance.md). So for the decode lane's next step the
+        output is built from the snapshot alone (``WorkerConnector.peek_lane_step``) and sent;
+        the connector's calls run right after the send (``_auxout_settle_sent``, from the
+        executor's output hook), or at the latest before the worker's next call, and must
+        return exactly that output (else ``InvariantError``). Their store reports ride with the
+        next output. Only in a synchronous engine with the multiprocess executor.
+        """
+        conn, meta, n, req_ids, scheduler_output = step
+        runner = self.model_runner
+        assert self._auxout_capture is not None
+        q = runner.query_start_loc.np[: n + 1].tolist()
+        rows = self._auxout_capture.snapshot(q[-1])
+        if (
+            meta is None or scheduler_output.scheduled_spec_decode_tokens or type(output) is not ModelRunnerOutput
+            or output is EMPTY_MODEL_RUNNER_OUTPUT or conn.max_concurrent_batches != 1
+        ):  # fmt: skip
+            return rows
+        starts = runner.input_batch.num_computed_tokens_cpu[:n].tolist()
+        sent = conn.peek_lane_step(meta, req_ids, starts, q, rows)
+        if sent is None:
+            return rows
+        sent.published, sent.lost = self._auxout_reports()
+        output.aux_output_connector_output = sent  # type: ignore[assignment]
+        self._auxout_sent = (conn, meta, req_ids, starts, q, rows, sent)
+        self._auxout_sent_ahead_steps += 1
+        return True
+
+    def _auxout_reports(self) -> tuple[list[str], list[str]]:
+        """Store reports of steps settled after their output was sent, for the next output."""
+        published, lost = self._auxout_late
+        if not published and not lost:
+            return [], []
+        self._auxout_late = ((), ())  # type: ignore[assignment]
+        return list(published), list(lost)
+
+    def _auxout_settle(self) -> None:
+        """Before any other use of the connector: the step sent ahead settled, or its error raised."""
+        error, self._auxout_sent_error = self._auxout_sent_error, None
+        if error is not None:
+            raise error
+        self._auxout_settle_sent()
+
+    def _auxout_settle_sent(self) -> None:
+        """Run the connector's calls for the step sent ahead, and check they return what was sent."""
+        job, self._auxout_sent = self._auxout_sent, None
+        if job is None:
+            return
+        conn, meta, req_ids, starts, q, rows, sent = job
+        with self._auxout_lock:
+            conn.begin_step(meta)
+            pending = conn.prepare_output(req_ids, np.array(starts, dtype=np.int64), q, rows, final=True)
+            out = None if pending is None else conn.process_output(pending)
+        if (
+            out is None or out.lo is not sent.lo or out.hi is not sent.hi or out.rows is not rows or out.errors
+            or out.heads or out.weights is not None or out.one_row_starts != sent.one_row_starts
+            or out.token_starts.tobytes() != sent.token_starts.tobytes()
+        ):  # fmt: skip
+            raise InvariantError(
+                "auxout: a decode step whose output was sent ahead did not commit as the decode lane's "
+                "next step (a connector bug: please report it)"
+            )
+        if out.published or out.lost:
+            published, lost = self._auxout_late
+            self._auxout_late = ([*published, *out.published], [*lost, *out.lost])
+
+    def _auxout_after_send(self) -> None:
+        """After the executor sent an output: the step sent ahead is settled here, off the clock.
+
+        An error is kept and raised at the worker's next call (where it fails that step, as it
+        would have failed this one)."""
+        if self._auxout_sent is None:
+            return
+        try:
+            self._auxout_settle_sent()
+        except BaseException as exc:  # (the executor's loop is not ours to break)
+            self._auxout_sent_error = exc
+
+    def _auxout_prepare(
+        self, step: tuple[WorkerConnector, Any, int, list[str], Any], rows: Any = None
+    ) -> None:
         """Apply the step's metadata, snapshot its rows and register it with the connector.
 
         Runs after sampling when sampling follows the forward: nothing in the forward depends on
@@ -167,7 +322,8 @@ class AuxoutWorkerMixin:
         qsl = runner.query_start_loc.np[: n + 1]  # (prepare_output copies what it keeps)
         starts = runner.input_batch.num_computed_tokens_cpu[:n]
         assert self._auxout_capture is not None
-        rows = self._auxout_capture.snapshot(int(qsl[-1]))
+        if rows is None:
+            rows = self._auxout_capture.snapshot(int(qsl[-1]))
         spec = scheduler_output.scheduled_spec_decode_tokens  # (scheduled counts matter only with drafts)
         with self._auxout_lock:
             conn.begin_step(meta)
@@ -209,12 +365,17 @@ class AuxoutWorkerMixin:
         assert self._auxout_connector is not None
         with self._auxout_lock:
             routes = self._auxout_connector.process_output(pending, None, rejected)
+        late = self._auxout_late
+        if late[0] or late[1]:  # (reports of steps settled after their output was sent)
+            published, lost = self._auxout_reports()
+            routes.published, routes.lost = published + routes.published, lost + routes.lost
         # vLLM types the field as its own connector output; the scheduler bridge reads ours.
         output.aux_output_connector_output = routes  # type: ignore[assignment]
         return output
 
     def auxout_rank_state(self) -> dict[str, Any]:
         """What this rank does for routes (``llm.collective_rpc("auxout_rank_state")``)."""
+        self._auxout_settle()
         role, capture, conn = self._auxout_role, self._auxout_capture, self._auxout_connector
         return {
             "captures": capture is not None,
@@ -225,9 +386,13 @@ class AuxoutWorkerMixin:
             "max_concurrent_batches": None if conn is None else conn.max_concurrent_batches,
             "async_scheduling": bool(self.vllm_config.scheduler_config.async_scheduling),
             "async_steps": self._auxout_async_steps,
+            "send_ahead": self._auxout_send_ahead,
+            "sent_ahead_steps": self._auxout_sent_ahead_steps,
         }
 
     def shutdown(self) -> None:
+        _AFTER_SEND.worker = None
+        self._auxout_sent = self._auxout_sent_error = None  # (an output sent ahead needs nothing more now)
         if self._auxout_connector is not None:
             try:
                 self._auxout_connector.close()
