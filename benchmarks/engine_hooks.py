@@ -40,6 +40,8 @@ TIMES: dict[str, list[float]] = {}
 STARTS: dict[str, list[float]] = {}  # (mp: each call's start, to drop the warm-up's calls)
 ON_CALL: list[Any] = []  # (mp: what each outermost timed call runs after it, in that process)
 _DEPTH = [0]  # timed calls in progress (they nest: auxout's hooks run inside vLLM's phases)
+_CONTEXT = [""]  # appended to the labels of calls nested in a timed call that names a context
+AFTER_SEND = " [after the send]"  # the worker's calls run once a step's output was sent: off the clock
 _OUT_ENV = "AUXOUT_ENGINE_HOOKS_OUT"  # mp: where each process writes its timings
 _SITE = """import os, sys
 if os.environ.get({env!r}):
@@ -49,19 +51,25 @@ if os.environ.get({env!r}):
 """
 
 
-def timed(cls: Any, name: str, label: str) -> None:
-    """Wrap ``cls.name`` so every call's wall time lands in ``TIMES[label]``."""
+def timed(cls: Any, name: str, label: str, context: str = "") -> None:
+    """Wrap ``cls.name`` so every call's wall time lands in ``TIMES[label]`` (``label`` plus the
+    enclosing timed call's ``context``, if any: the same hook, where it runs off the clock)."""
     func = getattr(cls, name)
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         _DEPTH[0] += 1
+        where = label + _CONTEXT[0]
+        outer = _CONTEXT[0]
+        if context:
+            _CONTEXT[0] = context
         t0 = time.perf_counter()
         try:
             return func(*args, **kwargs)
         finally:
-            TIMES.setdefault(label, []).append(time.perf_counter() - t0)
-            STARTS.setdefault(label, []).append(t0)
+            TIMES.setdefault(where, []).append(time.perf_counter() - t0)
+            _CONTEXT[0] = outer
+            STARTS.setdefault(where, []).append(t0)
             _DEPTH[0] -= 1
             if ON_CALL and not _DEPTH[0]:  # (outside every timed call: a dump is nobody's time)
                 ON_CALL[0]()
@@ -117,7 +125,10 @@ def instrument(routes: bool) -> None:
     timed(worker.AuxoutWorkerMixin, "execute_model", "auxout execute_model wrapper (total)")
     timed(worker.AuxoutWorkerMixin, "sample_tokens", "auxout sample_tokens wrapper (total)")
     timed(worker.AuxoutWorkerMixin, "_auxout_commit", "auxout _auxout_commit")
-    for name in ("begin_step", "prepare_output", "process_output"):
+    # a steady decode step sent ahead: the prediction runs before the send, the connector after
+    timed(worker.AuxoutWorkerMixin, "_auxout_send_first", "auxout _auxout_send_first (total)")
+    timed(worker.AuxoutWorkerMixin, "_auxout_settle_sent", "auxout _auxout_settle_sent (total)", AFTER_SEND)
+    for name in ("begin_step", "prepare_output", "process_output", "peek_lane_step"):
         timed(WorkerConnector, name, f"auxout WorkerConnector.{name}")
     timed(capture.RouteCapture, "_capture", "auxout RouteCapture._capture (device path: per MoE layer, in the forward)")
     timed(capture.RouteCapture, "_copy_held", "auxout RouteCapture._copy_held (host path: every layer, in snapshot)")
@@ -206,12 +217,15 @@ def worst(n: int, steps_per_run: int) -> None:
         print(f"    {label}: " + ", ".join(f"{t * 1e6:.0f}us@{step}" for t, step in where))
 
 
-_NESTED = ("(total)", "process_output", "_copy_held")  # wrappers, and hooks timed inside another auxout hook
+_NESTED = ("(total)", "process_output", "_copy_held", AFTER_SEND)
+"""Wrappers, hooks timed inside another auxout hook, and calls run after the step's output was sent."""
 
 
 def summary() -> tuple[float, float]:
     """(auxout's hooks, vLLM's four phases) per step, each as median call x calls per step: the
-    steady decode step's cost, without the few slow calls (a block's store write, the prefill)."""
+    steady decode step's cost, without the few slow calls (a block's store write, the prefill).
+    The connector's calls for a step whose output was sent ahead are left out: they run while the
+    engine core works, not on the step's critical path."""
     steps = len(TIMES["vLLM Scheduler.schedule"])
 
     def typical(ts: list[float]) -> float:
