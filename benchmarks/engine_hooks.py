@@ -59,8 +59,8 @@ def timed(cls: Any, name: str, label: str, context: str = "") -> None:
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         _DEPTH[0] += 1
-        where = label + _CONTEXT[0]
         outer = _CONTEXT[0]
+        where = label + outer
         if context:
             _CONTEXT[0] = context
         t0 = time.perf_counter()
@@ -68,8 +68,8 @@ def timed(cls: Any, name: str, label: str, context: str = "") -> None:
             return func(*args, **kwargs)
         finally:
             TIMES.setdefault(where, []).append(time.perf_counter() - t0)
-            _CONTEXT[0] = outer
             STARTS.setdefault(where, []).append(t0)
+            _CONTEXT[0] = outer
             _DEPTH[0] -= 1
             if ON_CALL and not _DEPTH[0]:  # (outside every timed call: a dump is nobody's time)
                 ON_CALL[0]()
