@@ -10,6 +10,7 @@ import pytest
 
 from auxout.errors import ObjectMissingError, PublicationError, StoreCapacityError, StoreClosedError
 from auxout.stores import ArenaStore, BackgroundStore, make_store
+from auxout.stores.background import INLINE_MAX_RELEASES
 
 N = 8
 WAIT = 5.0  # generous upper bound for thread hand-offs; tests finish far sooner
@@ -238,6 +239,23 @@ def test_small_batch_on_an_idle_writer_is_applied_in_place() -> None:
     bg.flush()
     assert "auxout-store-writer" in inner.writer_threads
     assert bg.get_concatenated(["a", "e"]) == payload(1) + payload(5)
+    bg.close()
+
+
+def test_a_batch_releasing_many_keys_goes_to_the_writer_even_without_objects() -> None:
+    # (a finished prefill's teardown: index work of hundreds of keys, which nothing waits for)
+    many = INLINE_MAX_RELEASES
+    inner = GatedStore(capacity=2 * many)
+    bg = BackgroundStore(inner, max_pending=4, inline_below=3 * N)
+    keys = [f"k{i}" for i in range(many)]
+    bg.put((), retain=keys)  # pins alone stay in place, however many
+    bg.put((), release=keys[:-1])  # fewer than the limit: in place
+    assert inner.writer_threads == {threading.current_thread().name}
+    bg.put((), retain=keys[:-1])
+    bg.put((), release=keys)  # the limit: queued
+    bg.flush()
+    assert "auxout-store-writer" in inner.writer_threads
+    assert all(inner.inner.references(k) == 0 for k in keys), "every pin released, in order"
     bg.close()
 
 
