@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
-from itertools import filterfalse, islice
+from itertools import filterfalse, islice, repeat
 
 import numpy as np
 
@@ -86,7 +86,7 @@ class SlotIndex:
                 else:
                     lru[key] = UNWRITTEN
         if terminal:
-            deque(map(lru.move_to_end, filter(lru.__contains__, terminal)), 0)
+            _to_recent_end(lru, terminal)
         freed: list[int] = []
         all_fresh = len(fresh) == len(unique)
         excess = len(lru) + len(self.quarantine) - self.num_slots
@@ -108,7 +108,7 @@ class SlotIndex:
         """
         lru = self.lru
         if terminal:
-            deque(map(lru.move_to_end, filter(lru.__contains__, terminal)), 0)
+            _to_recent_end(lru, terminal)
         freed: list[int] = []
         excess = len(lru) + len(fresh) + len(self.quarantine) - self.num_slots
         if excess > 0:
@@ -195,9 +195,14 @@ class SlotIndex:
                     refs[key] = get(key, 0) + 1
         if not release:
             return []
-        if list(map(get, release)).count(1) == len(release) and len(set(release)) == len(release):
-            deque(map(refs.__delitem__, release), 0)
+        # one pass for the common batch (each key released by its last holder): pop them all,
+        # then put back what was not a last reference (0: missing, or a key repeated in the list)
+        held = list(map(refs.pop, release, repeat(0)))
+        if held.count(1) == len(held):
             return release
+        for key, n in zip(release, held):
+            if n:
+                refs[key] = n  # (a repeated key's first pop holds its count; the later ones 0)
         terminal: list[str] = []
         for key in release:
             n = get(key, 0) - 1
@@ -359,3 +364,12 @@ def write_slots(
         for slot, v in zip(slots, payloads):
             data[slot, : v.nbytes] = np.frombuffer(v, dtype=np.uint8)
     return sizes
+
+
+def _to_recent_end(lru: OrderedDict[str, int], keys: list[str]) -> None:
+    """Move ``keys`` that are in ``lru`` to its recent end, in order (one C-level pass when all are:
+    a retry after a missing key moves the earlier ones again, in the same order)."""
+    try:
+        deque(map(lru.move_to_end, keys), 0)
+    except KeyError:
+        deque(map(lru.move_to_end, filter(lru.__contains__, keys)), 0)

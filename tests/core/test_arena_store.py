@@ -448,6 +448,18 @@ def test_reference_counts_match_one_change_per_key(batches: list[tuple[list[str]
         assert index.refs == model
 
 
+def test_released_keys_never_stored_do_not_stop_the_others_moving_to_the_recent_end() -> None:
+    # a request pins its prefix before the objects exist (a block it then computes is stored by
+    # another request or never): at release, the stored keys after such a key still move
+    index = SlotIndex(4, "test store")
+    index.plan_put([(k, payload(i)) for i, k in enumerate("abc")], (), (), N)
+    index.plan_put([], ["a", "z", "b"], (), N)
+    index.plan_put([], (), ["b", "z", "a"], N)  # terminal in release order: b, (z: not stored), a
+    assert list(index.lru) == ["c", "b", "a"]
+    index.plan_put([(k, payload(i)) for i, k in enumerate("de")], (), (), N)
+    assert index.drain_lost() == ["c"], "the oldest after the releases is evicted"
+
+
 # -- eviction order: the batched index equals one change per key and a touch per read -----------
 
 
