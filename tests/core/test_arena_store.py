@@ -405,6 +405,34 @@ def test_block_objects_batches_equal_per_object_puts(make) -> None:
         store.close()
 
 
+@settings(max_examples=60, deadline=None)
+@given(hs.lists(hs.lists(hs.integers(1, 40), min_size=1, max_size=3), min_size=1, max_size=8))
+def test_block_object_chunks_land_in_their_slots_consecutive_or_not(batches: list[list[int]]) -> None:
+    # fresh slots come consecutive, evictions hand freed ones back in reverse: every chunk lands
+    # in its own slots either way
+    stores = [store_of(64), SharedMemoryStore(64 * N, N)]
+    try:
+        tag = 0
+        written: dict[str, int] = {}
+        for sizes in batches:
+            objs = BlockObjects(nbytes=N)
+            for n in sizes:
+                keys = [f"k{tag + i}" for i in range(n)]
+                objs.add(keys, np.array([[(tag + i) % 251] * N for i in range(n)], dtype=np.uint8))
+                written.update((k, (tag + i) % 251) for i, k in enumerate(keys))
+                tag += n
+            if len(objs) > 64:
+                continue
+            for store in stores:
+                store.put(objs)
+                keys = [k for k, ok in zip(written, store.contains(list(written))) if ok]
+                assert keys, "the last batch is stored"
+                assert store.get_concatenated(keys) == b"".join(payload(written[k]) for k in keys)
+    finally:
+        for store in stores:
+            store.close()
+
+
 def test_block_objects_read_as_key_payload_pairs_and_check_their_arrays() -> None:
     objs = block_objects([("a", 1), ("b", 2), ("c", 3), ("d", 4)], chunk=3)
     assert [(k, bytes(v)) for k, v in objs] == [(k, payload(t)) for k, t in [("a", 1), ("b", 2), ("c", 3), ("d", 4)]]
