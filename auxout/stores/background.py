@@ -15,7 +15,8 @@ decode step's few blocks cost less to copy than to wake a thread and then wait f
 holds; large batches (prefill) still overlap with the engine. Never use it for network stores.
 A batch releasing ``INLINE_MAX_RELEASES`` keys or more (a finished prefill's teardown) is queued
 whatever its bytes: its index work is a prefill's, and nothing waits for a release
-(``benchmarks/dataplane.py`` prefill: 12% less on the step's thread; docs/performance.md).
+(the prefill replay of ``benchmarks/dataplane.py``: 12% less time on the step's thread,
+paired A/B; docs/performance.md).
 """
 
 from __future__ import annotations

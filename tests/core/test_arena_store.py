@@ -425,9 +425,9 @@ def test_block_object_chunks_land_in_their_slots_consecutive_or_not(batches: lis
                 continue
             for store in stores:
                 store.put(objs)
-                keys = [k for k, ok in zip(written, store.contains(list(written))) if ok]
-                assert keys, "the last batch is stored"
-                assert store.get_concatenated(keys) == b"".join(payload(written[k]) for k in keys)
+                stored = [k for k, ok in zip(written, store.contains(list(written))) if ok]
+                assert stored, "the last batch is stored"
+                assert store.get_concatenated(stored) == b"".join(payload(written[k]) for k in stored)
     finally:
         for store in stores:
             store.close()
