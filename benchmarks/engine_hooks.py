@@ -133,7 +133,7 @@ def instrument(routes: bool) -> None:
     timed(capture.RouteCapture, "_capture", "auxout RouteCapture._capture (device path: per MoE layer, in the forward)")
     timed(capture.RouteCapture, "_copy_held", "auxout RouteCapture._copy_held (host path: every layer, in snapshot)")
     timed(capture.RouteCapture, "snapshot", "auxout RouteCapture.snapshot")
-    for name in ("build_connector_meta", "take_output", "end_step_output"):
+    for name in ("build_connector_meta", "take_output", "end_step_output", "collects", "settle_collected"):
         timed(scheduler.SchedulerBridge, name, f"auxout SchedulerBridge.{name}")
 
 

@@ -119,6 +119,29 @@ def test_a_steady_decode_batch_takes_the_fast_paths_and_stays_exact(llm, oracle)
     assert all(a - b >= 30 for a, b in zip(after, before)), (before, after)
 
 
+def test_requests_finishing_inside_a_collected_decode_step_get_their_last_rows(llm, oracle):
+    """vLLM's per-request loop over a decode step runs with the bridge's collector (no auxout
+    call per request); a request that finishes in such a step, on its length or on a stop token,
+    gets its rows put on its final output after the loop, while the others go on decoding."""
+    core = llm.llm_engine.engine_core.engine_core
+    bridge = core.scheduler.auxout
+    before = bridge.collected_steps
+    rng = np.random.default_rng(44)
+    prompts = [random_prompt(rng, 30 + 11 * i) for i in range(4)]
+    params = [greedy(n) for n in (17, 29, 41)]
+    (probe,) = llm.generate([{"prompt_token_ids": prompts[3]}], greedy(40), use_tqdm=False)
+    stop_at = probe.outputs[0].token_ids[23]  # (it stops there or earlier, unless the batch changes its tokens)
+    params.append(greedy(40, stop_token_ids=[stop_at]))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for p, out in zip(prompts, outs, strict=True):
+        oracle.check(p, out.outputs[0])
+    lengths = [len(o.outputs[0].token_ids) for o in outs]
+    assert lengths[:3] == [17, 29, 41], lengths
+    last = outs[3].outputs[0]
+    assert (last.finish_reason, last.token_ids[-1]) == ("stop", stop_at) or lengths[3] == 40, (last.finish_reason, lengths)
+    assert bridge.collected_steps - before >= 30, (before, bridge.collected_steps)
+
+
 @pytest.mark.parametrize("prompt_start", [0, 130])
 def test_a_prefix_cache_reset_mid_chunked_prefill_returns_each_row_once(llm, oracle, prompt_start):
     """``reset_prefix_cache(reset_running_requests=True)`` (an RL weight sync) after two 96-token

@@ -17,6 +17,8 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -56,6 +58,9 @@ logger = logging.getLogger("vllm.auxout")  # under vLLM's logger: its handlers a
 
 # vLLM's ``RequestStatus.is_finished(status)`` is ``status > RequestStatus.PREEMPTED``
 _LAST_UNFINISHED = RequestStatus.PREEMPTED
+_status = attrgetter("status")
+_num_tokens = attrgetter("num_tokens")
+_NO_SKIP: frozenset[str] = frozenset()
 assert not RequestStatus.is_finished(_LAST_UNFINISHED) and RequestStatus.is_finished(RequestStatus.FINISHED_STOPPED)
 
 
@@ -155,6 +160,21 @@ def make_remote_contains(opts: VllmOptions, client: SharedStoreClient) -> Callab
     return contains
 
 
+class LoopCollector:
+    """vLLM's ``aux_output_connector`` during a collected step's output loop (``SchedulerBridge.collects``).
+
+    Its two methods are a dict's and a list's own (C functions: no Python frame per request).
+    """
+
+    __slots__ = ("emitted", "finished", "take_output", "request_finished")
+
+    def __init__(self) -> None:
+        self.emitted: dict[Request, Any] = {}  # requests vLLM took output for, in its loop's order
+        self.finished: list[Request] = []  # terminal events inside the loop, in order
+        self.take_output = self.emitted.__setitem__  # (returns None: rows go on after the loop)
+        self.request_finished = self.finished.append
+
+
 class SchedulerBridge:
     """Adapts auxout's ``SchedulerConnector`` to the calls vLLM's scheduler makes.
 
@@ -176,6 +196,9 @@ class SchedulerBridge:
         self._bulk: StepOutput | None = None  # this step's output, when its plain rows are taken in bulk
         self._deferred: list[Request] = []  # running requests whose rows this step are taken in bulk
         self._deferred_tokens: list[int] = []  # and their num_tokens
+        self.plain: set[str] = set()  # live requests with rows at finish only (no stop strings, not streamed)
+        self.collector = LoopCollector()
+        self.collected_steps = 0  # steps whose output loop ran with the collector (``collects``)
 
     def build_connector_meta(self, scheduler_output: Any, requests: Mapping[str, Request]) -> Any:
         return self.connector.build_metadata(scheduler_output.num_scheduled_tokens, requests)
@@ -185,7 +208,59 @@ class SchedulerBridge:
         preempted = not request.is_finished()
         if not preempted:
             self.held.discard(request.request_id)  # finished without a final output (abort)
+            self.plain.discard(request.request_id)
         self.connector.request_finished(request, preempted=preempted)
+
+    def add_plain(self, request: Request) -> None:
+        """Note a request whose rows go out with its final output only (see ``collects``)."""
+        params = request.sampling_params
+        if (
+            params is not None and not params.stop and params.output_kind != RequestOutputKind.DELTA
+            and not getattr(request, "resumable", False)
+        ):  # fmt: skip
+            self.plain.add(request.request_id)
+
+    def collects(self, step: StepOutput | None) -> bool:
+        """Whether vLLM's per-request loop over this step's output can run with ``collector``
+        standing in for this bridge: a step without read-back heads or errors (every decode
+        step) whose requests all get their rows at finish only. vLLM then calls no Python
+        function of auxout per request (about 1 us each, 16 per step on the tiny model:
+        docs/performance.md); ``settle_collected`` makes the same calls after the loop.
+        """
+        return step is not None and not step.errors and not step.heads and self.plain.issuperset(step.req_ids)
+
+    def settle_collected(self, step: StepOutput, requests: Mapping[str, Request], outputs: dict[int, Any]) -> None:
+        """After a loop run with ``collector``: what ``take_output`` and ``request_finished``
+        would have done inside it, in the same order per request, and the final rows put on the
+        finished requests' outputs. Every request is plain (``collects``), so ``take_output``
+        queues the unfinished ones, and a request's terminal event comes after its rows."""
+        col = self.collector
+        self.collected_steps += 1
+        emitted = list(col.emitted)
+        finished = col.finished[:]
+        col.emitted.clear()
+        col.finished.clear()
+        self.begin_step_output(step)
+        final: dict[str, np.ndarray] | None = None
+        if finished or (emitted and max(map(_status, emitted)) > _LAST_UNFINISHED):
+            take = self.take_output
+            for request in emitted:  # (queues the unfinished; a finished one's rows come back now)
+                rows = take(request, step)
+                if rows is not None:
+                    final = final or {}
+                    final[request.request_id] = rows
+            for request in finished:
+                self.request_finished(request)
+        else:  # (a steady decode step: every request queued, as take_output would queue it)
+            self._deferred = emitted
+            self._deferred_tokens = list(map(_num_tokens, emitted))
+        self.end_step_output(step, requests, _NO_SKIP)
+        if final:
+            for engine_outputs in outputs.values():
+                for out in engine_outputs.outputs:
+                    rows = final.get(out.request_id)
+                    if rows is not None:
+                        out.routed_experts = rows
 
     def begin_step_output(self, step: StepOutput | None) -> None:
         """Before vLLM's per-request loop over a step's output.
@@ -203,7 +278,7 @@ class SchedulerBridge:
         self._deferred_tokens = []
         self._bulk = step if step is not None and not step.errors and not step.heads else None
 
-    def end_step_output(self, step: StepOutput | None, requests: Mapping[str, Request], skip: set[str]) -> None:
+    def end_step_output(self, step: StepOutput | None, requests: Mapping[str, Request], skip: AbstractSet[str]) -> None:
         """After vLLM's loop: take the queued requests' rows, then hold what nobody collected."""
         deferred, self._deferred = self._deferred, []
         self._bulk = None
@@ -256,7 +331,7 @@ class SchedulerBridge:
             return None if held is None else engine_rows(held, request)
         return None
 
-    def hold_uncollected(self, output: StepOutput, requests: Mapping[str, Request], skip: set[str]) -> None:
+    def hold_uncollected(self, output: StepOutput, requests: Mapping[str, Request], skip: AbstractSet[str]) -> None:
         """Rows of requests vLLM emitted nothing for this step (a prefill chunk): held until they do."""
         spans = output.span_map()
         if len(self.taken) >= len(spans) and self.taken.issuperset(spans):  # (a decode step: all taken)
@@ -412,6 +487,7 @@ class AuxoutScheduler(Scheduler):
             logger.error("auxout: rejecting request %s: %s", request.request_id, exc)
             self.auxout.failed[request.request_id] = str(exc)
             self.auxout.connector.add_request(request.request_id, request.num_prompt_tokens, return_routes=False)
+        self.auxout.add_plain(request)
         super().add_request(request)
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> dict[int, Any]:
@@ -424,9 +500,19 @@ class AuxoutScheduler(Scheduler):
             for rid in redo:
                 if rid in index and sampled:
                     sampled[index[rid]] = []
-        self.auxout.begin_step_output(step)
-        outputs = super().update_from_output(scheduler_output, model_runner_output)
-        self.auxout.end_step_output(step, self.requests, set(redo))
+        bridge = self.auxout
+        if not redo and self.aux_output_connector is bridge and bridge.collects(step):
+            assert step is not None
+            self.aux_output_connector = bridge.collector  # type: ignore[assignment]
+            try:
+                outputs = super().update_from_output(scheduler_output, model_runner_output)
+            finally:
+                self.aux_output_connector = bridge  # type: ignore[assignment]
+            bridge.settle_collected(step, self.requests, outputs)
+        else:
+            bridge.begin_step_output(step)
+            outputs = super().update_from_output(scheduler_output, model_runner_output)
+            bridge.end_step_output(step, self.requests, set(redo))
         for rid in redo:
             request = self.requests.get(rid)
             if request is None or request.status != RequestStatus.RUNNING:
