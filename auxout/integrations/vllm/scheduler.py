@@ -240,20 +240,26 @@ class SchedulerBridge:
         finished = col.finished[:]
         col.emitted.clear()
         col.finished.clear()
+        if not finished and emitted and max(map(_status, emitted)) <= _LAST_UNFINISHED:
+            tokens = list(map(_num_tokens, emitted))
+            whole = self.connector.take_step(step, emitted, tokens)  # (a steady decode batch)
+            if whole is not None:  # every request of the step took its one row
+                self.held.add_step(step.req_ids, whole)
+                return
+            self.begin_step_output(step)  # (else as take_output would have queued them)
+            self._deferred, self._deferred_tokens = emitted, tokens
+            self.end_step_output(step, requests, _NO_SKIP)
+            return
         self.begin_step_output(step)
         final: dict[str, np.ndarray] | None = None
-        if finished or (emitted and max(map(_status, emitted)) > _LAST_UNFINISHED):
-            take = self.take_output
-            for request in emitted:  # (queues the unfinished; a finished one's rows come back now)
-                rows = take(request, step)
-                if rows is not None:
-                    final = final or {}
-                    final[request.request_id] = rows
-            for request in finished:
-                self.request_finished(request)
-        else:  # (a steady decode step: every request queued, as take_output would queue it)
-            self._deferred = emitted
-            self._deferred_tokens = list(map(_num_tokens, emitted))
+        take = self.take_output
+        for request in emitted:  # (queues the unfinished; a finished one's rows come back now)
+            rows = take(request, step)
+            if rows is not None:
+                final = final or {}
+                final[request.request_id] = rows
+        for request in finished:
+            self.request_finished(request)
         self.end_step_output(step, requests, _NO_SKIP)
         if final:
             for engine_outputs in outputs.values():
