@@ -174,6 +174,10 @@ class LoopCollector:
         self.take_output = self.emitted.__setitem__  # (returns None: rows go on after the loop)
         self.request_finished = self.finished.append
 
+    def clear(self) -> None:
+        self.emitted.clear()
+        self.finished.clear()
+
 
 class SchedulerBridge:
     """Adapts auxout's ``SchedulerConnector`` to the calls vLLM's scheduler makes.
@@ -238,8 +242,7 @@ class SchedulerBridge:
         self.collected_steps += 1
         emitted = list(col.emitted)
         finished = col.finished[:]
-        col.emitted.clear()
-        col.finished.clear()
+        col.clear()
         if not finished and emitted and max(map(_status, emitted)) <= _LAST_UNFINISHED:
             tokens = list(map(_num_tokens, emitted))
             whole = self.connector.take_step(step, emitted, tokens)  # (a steady decode batch)
@@ -512,6 +515,9 @@ class AuxoutScheduler(Scheduler):
             self.aux_output_connector = bridge.collector  # type: ignore[assignment]
             try:
                 outputs = super().update_from_output(scheduler_output, model_runner_output)
+            except BaseException:
+                bridge.collector.clear()  # (nothing half-collected is settled with a later step)
+                raise
             finally:
                 self.aux_output_connector = bridge  # type: ignore[assignment]
             bridge.settle_collected(step, self.requests, outputs)
