@@ -59,7 +59,6 @@ logger = logging.getLogger("vllm.auxout")  # under vLLM's logger: its handlers a
 # vLLM's ``RequestStatus.is_finished(status)`` is ``status > RequestStatus.PREEMPTED``
 _LAST_UNFINISHED = RequestStatus.PREEMPTED
 _status = attrgetter("status")
-_num_tokens = attrgetter("num_tokens")
 _NO_SKIP: frozenset[str] = frozenset()
 assert not RequestStatus.is_finished(_LAST_UNFINISHED) and RequestStatus.is_finished(RequestStatus.FINISHED_STOPPED)
 
@@ -89,6 +88,12 @@ def engine_rows(rows: np.ndarray, request: Any) -> np.ndarray:
 
 
 _WARNED_UNSPLIT = False
+
+
+def _rows_at_finish_only(params: Any) -> bool:
+    """A request whose rows go out with its final output only: sampled, no stop strings (the
+    frontend may stop those on text without a final engine output), not streamed."""
+    return params is not None and not params.stop and params.output_kind != RequestOutputKind.DELTA
 
 
 def _warn_unsplit(request_id: str) -> None:
@@ -217,11 +222,7 @@ class SchedulerBridge:
 
     def add_plain(self, request: Request) -> None:
         """Note a request whose rows go out with its final output only (see ``collects``)."""
-        params = request.sampling_params
-        if (
-            params is not None and not params.stop and params.output_kind != RequestOutputKind.DELTA
-            and not getattr(request, "resumable", False)
-        ):  # fmt: skip
+        if _rows_at_finish_only(request.sampling_params) and not getattr(request, "resumable", False):
             self.plain.add(request.request_id)
 
     def collects(self, step: StepOutput | None) -> bool:
@@ -244,14 +245,13 @@ class SchedulerBridge:
         finished = col.finished[:]
         col.clear()
         if not finished and emitted and max(map(_status, emitted)) <= _LAST_UNFINISHED:
-            tokens = list(map(_num_tokens, emitted))
-            whole = self.connector.take_step(step, emitted, tokens)  # (a steady decode batch)
+            whole = self.connector.take_step(step, emitted)  # (a steady decode batch; reads num_tokens)
             if whole is not None:  # every request of the step took its one row
                 self.held.add_step(step.req_ids, whole)
                 return
-            self.begin_step_output(step)  # (else as take_output would have queued them)
-            self._deferred, self._deferred_tokens = emitted, tokens
-            self.end_step_output(step, requests, _NO_SKIP)
+            self.taken.clear()  # (else as end_step_output takes what take_output queued)
+            self._take_queued(step, emitted)
+            self.hold_uncollected(step, requests, _NO_SKIP)
             return
         self.begin_step_output(step)
         final: dict[str, np.ndarray] | None = None
@@ -296,28 +296,31 @@ class SchedulerBridge:
             if whole is not None:
                 self.held.add_step(step.req_ids, whole)
                 return  # every request of the step took its row: nothing is uncollected
-            self.taken.update([r.request_id for r in deferred])
-            add = self.held.add
-            for request, rows in zip(deferred, self.connector.take_outputs(step, deferred)):
-                if type(rows) is np.ndarray:
-                    add(request.request_id, rows)
-                elif isinstance(rows, RoutesUnavailableError):  # (not in a step without errors)
-                    self._unavailable(request.request_id, rows)
-                # (None: opted out, or keys-only rows the publisher holds until the request finishes)
+            self._take_queued(step, deferred)
         if step is not None:
             self.hold_uncollected(step, requests, skip)
 
+    def _take_queued(self, step: StepOutput, queued: list[Request]) -> None:
+        """Hold the rows of running requests queued this step, with one ``take_outputs`` call."""
+        self.taken.update([r.request_id for r in queued])
+        add = self.held.add
+        for request, rows in zip(queued, self.connector.take_outputs(step, queued)):
+            if type(rows) is np.ndarray:
+                add(request.request_id, rows)
+            elif isinstance(rows, RoutesUnavailableError):  # (not in a step without errors)
+                self._unavailable(request.request_id, rows)
+            # (None: opted out, or keys-only rows the publisher holds until the request finishes)
+
     def take_output(self, request: Request, output: Any) -> np.ndarray | None:
         bulk = self._bulk
-        if bulk is not None and output is bulk:
-            params = request.sampling_params
-            if (
-                params is not None and not params.stop and params.output_kind != RequestOutputKind.DELTA
-                and request.status <= _LAST_UNFINISHED  # (``not request.is_finished()``, without two calls)
-            ):  # fmt: skip
-                self._deferred.append(request)  # rows at finish only: taken with the others after the loop
-                self._deferred_tokens.append(request.num_tokens)  # (read now, while vLLM has it in cache)
-                return None  # (not in ``taken`` yet: end_step_output adds them if it needs to)
+        if (
+            bulk is not None and output is bulk
+            and request.status <= _LAST_UNFINISHED  # (``not request.is_finished()``, without two calls)
+            and _rows_at_finish_only(request.sampling_params)
+        ):  # fmt: skip
+            self._deferred.append(request)  # rows at finish only: taken with the others after the loop
+            self._deferred_tokens.append(request.num_tokens)  # (read now, while vLLM has it in cache)
+            return None  # (not in ``taken`` yet: end_step_output adds them if it needs to)
         rid = request.request_id
         self.taken.add(rid)
         finished = request.is_finished()
