@@ -232,6 +232,7 @@ class WorkerConnector:
         self.lane_steps = 0  # decode steps committed through the lane (for tests and benchmarks)
         self.lane_prepared = 0  # of them, committed already in prepare_output (``final`` steps)
         self.lane_begins = 0  # begin_step calls that checked the emit starts against the lane's lists
+        self.lane_fused = 0  # of the lane steps, committed by commit_lane_step (one call for three)
         self._ramp = np.arange(block_size + 1, dtype=_I64)[:, None]  # [[0], ..., [window]]: a lane's window is a block
         self._lane_candidate: np.ndarray | None = None  # slots of the last decode step
         self._block_shape = (block_size, *profile.shape_per_token)
@@ -418,6 +419,15 @@ class WorkerConnector:
                     self._new_slot(names[i], int(starts[i]))
             elif cache is None or known is not cache[2]:
                 self._begin_cache = (self._slot_epoch, names, known)
+        self._apply_hashes(meta, retain, release, keyed, done)
+
+    def _apply_hashes(
+        self, meta: StepMetadata, retain: list[str], release: list[str], keyed: list[int], done: list[int]
+    ) -> None:
+        """The rest of ``begin_step``: new block hashes become keys (a block staged for its key is
+        published), pins follow, finished requests in ``done`` are torn down; one store call."""
+        reqs = meta.requests
+        slot_of = self._slot_of
         hashed: list[int] = []
         packs: list[PackedHashes] = []
         for rid, packed in meta.block_hashes.items():
@@ -939,7 +949,13 @@ class WorkerConnector:
         j = lane.j
         if ts.tobytes() != lane.ends[j].tobytes() or q.tobytes() != lane.q_bytes:
             return None
-        rows = p.rows
+        return self._lane_advance(lane, p.req_ids, ts, p.rows, ts.tolist() if lane.q0 == 0 else None)
+
+    def _lane_advance(
+        self, lane: _DecodeLane, req_ids: list[str], ts: np.ndarray, rows: np.ndarray, one_row: list[int] | None
+    ) -> StepOutput:
+        """Commit the lane's next step (checked by the caller): queue its rows, move the window."""
+        j = lane.j
         lane.pending.append((j, rows))  # (into the pool later, several steps in one call)
         lane.behind = True  # (so are the cursors: they are lane.ends[lane.j] meanwhile)
         j = lane.j = j + 1
@@ -957,8 +973,8 @@ class WorkerConnector:
         else:  # (the store's report of lost keys, a chain of calls that run cold, waits a few steps)
             published, self._published = self._published, []
             lost, self._lost = self._lost, []
-        one_row = ts.tolist() if lane.q0 == 0 else None  # (lo == arange(n): see StepOutput)
-        return StepOutput(p.req_ids, ts, lane.lo, lane.hi, rows, {}, published, lost, one_row_starts=one_row)
+        # (one_row: the starts as a list when lo == arange(n), see StepOutput)
+        return StepOutput(req_ids, ts, lane.lo, lane.hi, rows, {}, published, lost, one_row_starts=one_row)
 
     def peek_lane_step(
         self, meta: StepMetadata, req_ids: list[str], token_starts: list[int], query_start_loc: list[int],
@@ -976,6 +992,48 @@ class WorkerConnector:
         ``rows`` must have the profile's dtype and row shape (``prepare_output`` checks it, after);
         the output keeps ``req_ids`` (a list the caller no longer changes).
         """
+        lane = self._lane_next(meta, req_ids, token_starts, query_start_loc, rows)
+        if lane is None:
+            return None
+        return StepOutput(
+            req_ids, lane.ends[lane.j], lane.lo, lane.hi, rows, {}, [], [],
+            one_row_starts=token_starts if lane.q0 == 0 else None,
+        )  # fmt: skip
+
+    def commit_lane_step(
+        self, meta: StepMetadata, req_ids: list[str], token_starts: list[int], query_start_loc: list[int],
+        rows: np.ndarray,
+    ) -> StepOutput | None:  # fmt: skip
+        """``begin_step(meta)``, ``prepare_output(..., final=True)`` and ``process_output`` in one
+        call, for the decode lane's next step (the one ``peek_lane_step`` predicts), new block
+        hashes included: the same output and the same state after. None, with nothing done,
+        when the step is not that one (a terminal event, another batch, a new generation); the
+        caller then makes the three calls. Those re-check with numpy what the lane already knows; this
+        checks it once, with the plain lists the engine has (docs/performance.md). Arguments as
+        for ``peek_lane_step``; ``rows`` must be C-contiguous (a snapshot is).
+        """
+        lane = self._lane_next(meta, req_ids, token_starts, query_start_loc, rows)
+        if (
+            lane is None or self._awaiting or rows.ndim != 3 or not rows.flags.c_contiguous
+            or rows.dtype != self._row_dtype or rows.shape[1:] != self._row_shape
+        ):  # fmt: skip
+            return None
+        self._step_ready = True  # (begin_step: a steady step of the lane; new hashes are all it may bring)
+        self.lane_begins += 1
+        if meta.block_hashes:
+            if lane.behind:
+                self._settle_lane(lane)  # (what follows reads the cursors)
+            self._apply_hashes(meta, [], [], [], [])
+        self._seq += 1  # (prepare_output: the step's sequence number, committed at once)
+        self.lane_prepared += 1
+        self.lane_fused += 1
+        return self._lane_advance(lane, req_ids, lane.ends[lane.j], rows, token_starts if lane.q0 == 0 else None)
+
+    def _lane_next(
+        self, meta: StepMetadata, req_ids: list[str], token_starts: list[int], query_start_loc: list[int],
+        rows: np.ndarray,
+    ) -> _DecodeLane | None:  # fmt: skip
+        """The lane, if this is its next step as the three calls would find it (else None)."""
         lane = self._lane
         if (
             lane is None or self._closed or self._pending_steps or self.max_concurrent_batches != 1
@@ -996,10 +1054,7 @@ class WorkerConnector:
             lane.q_list = np.frombuffer(lane.q_bytes, dtype=_I64).tolist()
         if token_starts != lane.batch_ends[lane.j] or query_start_loc != lane.q_list or len(rows) < lane.q_list[-1]:
             return None
-        return StepOutput(
-            req_ids, lane.ends[lane.j], lane.lo, lane.hi, rows, {}, [], [],
-            one_row_starts=token_starts if lane.q0 == 0 else None,
-        )  # fmt: skip
+        return lane
 
     def _lane_emit_starts(self, lane: _DecodeLane, known: np.ndarray) -> list[int] | None:
         """The lane batch's emit cursors in the order of ``known`` (its slots as the metadata lists

@@ -128,7 +128,7 @@ def instrument(routes: bool) -> None:
     # a steady decode step sent ahead: the prediction runs before the send, the connector after
     timed(worker.AuxoutWorkerMixin, "_auxout_send_first", "auxout _auxout_send_first (total)")
     timed(worker.AuxoutWorkerMixin, "_auxout_settle_sent", "auxout _auxout_settle_sent (total)", AFTER_SEND)
-    for name in ("begin_step", "prepare_output", "process_output", "peek_lane_step"):
+    for name in ("begin_step", "prepare_output", "process_output", "peek_lane_step", "commit_lane_step"):
         timed(WorkerConnector, name, f"auxout WorkerConnector.{name}")
     timed(capture.RouteCapture, "_capture", "auxout RouteCapture._capture (device path: per MoE layer, in the forward)")
     timed(capture.RouteCapture, "_copy_held", "auxout RouteCapture._copy_held (host path: every layer, in snapshot)")

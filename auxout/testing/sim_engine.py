@@ -27,7 +27,7 @@ from auxout.held_rows import HeldRows
 from auxout.keys import KeySpace
 from auxout.keys_output import KeysPublisher, store_address
 from auxout.manifest import RouteManifest
-from auxout.metadata import StepOutput
+from auxout.metadata import StepMetadata, StepOutput
 from auxout.scheduler_connector import SchedulerConnector
 from auxout.stores import ArenaStore, BackgroundStore, BlockStore
 from auxout.testing.fake_moe import FakeMoE
@@ -211,6 +211,7 @@ class SimEngine:
         on_finish: Callable[[SimResult], None] | None = None,
         bulk_steps: bool = True,
         final_steps: bool = True,
+        fused_steps: bool = True,
         life: str = "",
         weights_digest: Callable[[], str] | None = None,
     ) -> None:
@@ -218,7 +219,9 @@ class SimEngine:
         for routes this engine did not publish). ``bulk_steps``: take a plain decode step's rows
         whole (``take_step``), as vLLM's bridge does; False: always per request. ``final_steps``:
         prepare a step without drafts as ``final``, as vLLM's worker does (a lane step is then
-        committed when prepared). ``life``: this engine's lifetime token (``KeySpace.life``);
+        committed when prepared). ``fused_steps``: with ``final_steps`` and one batch in flight,
+        offer each step to ``commit_lane_step`` first, as vLLM's worker does (the three calls
+        only when it declines). ``life``: this engine's lifetime token (``KeySpace.life``);
         ``weights_digest``: names each generation after a reset by the weights (``KeySpace.weights``),
         as vLLM's worker does for a shared store (swap ``model`` and reset to update weights)."""
         self.model = model
@@ -239,6 +242,7 @@ class SimEngine:
         self.held = HeldRows(compact_every=3)  # small: every long request exercises compaction
         self.bulk_steps = bulk_steps
         self.final_steps = final_steps
+        self.fused_steps = fused_steps and final_steps and not async_scheduling
         self.bulk_taken = 0  # decode steps whose rows were taken whole (take_step)
         keyspace = KeySpace(namespace, life)
         publisher = KeysPublisher(
@@ -265,7 +269,9 @@ class SimEngine:
         self.requests: dict[str, _Request] = {}
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []
-        self._inflight: deque[tuple[PendingStep | None, list[_Scheduled], np.ndarray, np.ndarray, list]] = deque()
+        self._inflight: deque[tuple[PendingStep | StepOutput | None, list[_Scheduled], np.ndarray, np.ndarray, list]] = (
+            deque()
+        )
         self._done: dict[str, SimResult] = {}
         self.num_steps = 0
         self.num_preemptions = 0
@@ -333,10 +339,13 @@ class SimEngine:
         """One engine step: schedule, execute, and process the oldest output when due."""
         scheduled = self._schedule()
         meta = self.scheduler.build_metadata([s.req.rid for s in scheduled], self.requests)
-        self.worker.begin_step(meta)
         self.num_steps += 1
-        if scheduled:
-            self._inflight.append(self._execute(scheduled))
+        if scheduled and self.fused_steps:  # (the metadata is applied with the step's rows)
+            self._inflight.append(self._execute(scheduled, meta))
+        else:
+            self.worker.begin_step(meta)
+            if scheduled:
+                self._inflight.append(self._execute(scheduled))
         limit = 2 if self.async_scheduling else 1
         if self._inflight and (len(self._inflight) >= limit or not scheduled):
             self._process(*self._inflight.popleft())
@@ -428,7 +437,7 @@ class SimEngine:
         self.num_preemptions += 1
 
     # -- the runner ---------------------------------------------------------------------------
-    def _execute(self, scheduled: list[_Scheduled]):  # type: ignore[no-untyped-def]
+    def _execute(self, scheduled: list[_Scheduled], meta: StepMetadata | None = None):  # type: ignore[no-untyped-def]
         rows: list[np.ndarray] = []
         qsl = [0]
         sampled_tokens: list[list[int]] = []
@@ -471,22 +480,28 @@ class SimEngine:
             num_rejected.append(rejected)
         batch = np.concatenate(rows) if rows else self.model.profile.empty(0)
         final = self.final_steps and not any(s.num_drafts for s in scheduled)
-        pending = self.worker.prepare_output(
-            [s.req.rid for s in scheduled], [s.reported_start for s in scheduled], qsl, batch, final=final
-        )
+        ids, starts = [s.req.rid for s in scheduled], [s.reported_start for s in scheduled]
+        if meta is not None:
+            done = self.worker.commit_lane_step(meta, ids, starts, qsl, batch) if final else None
+            if done is not None:
+                return done, scheduled, np.array(num_sampled), np.array(num_rejected), sampled_tokens
+            self.worker.begin_step(meta)
+        pending = self.worker.prepare_output(ids, starts, qsl, batch, final=final)
         return pending, scheduled, np.array(num_sampled), np.array(num_rejected), sampled_tokens
 
     # -- processing a step's output (scheduler side) -----------------------------------------
     def _process(
         self,
-        pending: PendingStep | None,
+        pending: PendingStep | StepOutput | None,
         scheduled: list[_Scheduled],
         num_sampled: np.ndarray,
         num_rejected: np.ndarray,
         sampled_tokens: list[list[int]],
     ) -> None:
         output: StepOutput | None = None
-        if pending is not None:
+        if isinstance(pending, StepOutput):  # committed when prepared (``commit_lane_step``)
+            output = pending
+        elif pending is not None:
             output = self.worker.process_output(pending, num_sampled, num_rejected)
         redo = set(self.scheduler.begin_output(output))
         spans = output.span_map() if output is not None else {}

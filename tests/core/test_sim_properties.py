@@ -65,6 +65,7 @@ def scenarios(draw: st.DrawFn) -> dict:
         inline_below=draw(st.sampled_from([0, 0, 1 << 20])),  # publication on the writer or in place
         bulk_steps=draw(st.booleans()),  # decode steps' rows taken whole (take_step) or per request
         final_steps=draw(st.booleans()),  # draft-free steps prepared as final (lane steps commit at once)
+        fused_steps=draw(st.booleans()),  # and offered to commit_lane_step first (one call for three)
     )
     model = draw(st.sampled_from(sorted(MODELS)))
     turns = draw(st.integers(1, 3))
@@ -113,6 +114,7 @@ def long_decodes(draw: st.DrawFn) -> dict:
         inline_below=draw(st.sampled_from([0, 1 << 20])),
         num_kv_blocks=draw(st.sampled_from([2, 16])) * convs * -(-longest // block_size),
         final_steps=draw(st.booleans()),
+        fused_steps=draw(st.booleans()),
     )
     return dict(
         cfg=cfg, model=draw(st.sampled_from(sorted(MODELS))), turns=turns, convs=convs, max_tokens=max_tokens,
@@ -214,6 +216,7 @@ def run_scenario(sc: dict, stats: dict | None = None) -> int:
         stats["lane_steps"] = eng.worker.lane_steps
         stats["lane_prepared"] = eng.worker.lane_prepared
         stats["lane_begins"] = eng.worker.lane_begins
+        stats["lane_fused"] = eng.worker.lane_fused
         stats["listed_steps"] = eng.scheduler.listed_steps
         stats["bulk_taken"] = eng.bulk_taken
         stats["steps"] = eng.num_steps
@@ -254,6 +257,11 @@ def test_decode_lane_routes_match_full_forward(sc: dict) -> None:
         assert stats["lane_prepared"] > 0, stats  # lane steps committed as soon as they were prepared
     else:
         assert stats["lane_prepared"] == 0, stats  # (in flight or not final: committed after sampling)
+    cfg = sc["cfg"]
+    if cfg["final_steps"] and cfg["fused_steps"] and not cfg["async_scheduling"]:
+        assert stats["lane_fused"] > 0, stats  # steady steps committed by commit_lane_step
+    else:
+        assert stats["lane_fused"] == 0, stats
 
 
 def test_keys_manifest_falls_back_inline_when_the_store_cannot_hold_it() -> None:

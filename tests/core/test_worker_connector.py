@@ -1199,6 +1199,108 @@ def test_a_peeked_lane_step_is_what_the_connector_then_returns(ops: list[str], s
         assert peeker.lane_steps >= hits
 
 
+def _same_output(a: StepOutput, b: StepOutput) -> None:
+    assert a.req_ids == b.req_ids and a.rows is b.rows and a.one_row_starts == b.one_row_starts
+    for name in ("token_starts", "lo", "hi"):
+        assert getattr(a, name).tolist() == getattr(b, name).tolist(), name
+    assert (a.published, a.lost, a.errors, a.heads, a.weights) == (b.published, b.lost, b.errors, b.heads, b.weights)
+
+
+@settings(max_examples=150, deadline=None)
+@given(hs.lists(_sched_op, min_size=1, max_size=90), hs.integers(0, 2**16))
+def test_a_fused_lane_step_equals_the_three_calls(ops: list[str], seed: int) -> None:
+    """``commit_lane_step`` where it accepts a step, the three calls where it declines: every
+    output equals that of a worker that always makes the three calls, and so do the store's puts
+    and pins, step by step. Random batches: requests join with a prefill, finish, or sit a step
+    out; blocks fill and their hashes arrive on the way."""
+    rng = np.random.default_rng(seed)
+    fused, spy_f = make(capacity=256, max_num_seqs=4)
+    plain, spy_p = make(capacity=256, max_num_seqs=4)
+    routes: dict[str, np.ndarray] = {}
+    pos: dict[str, int] = {}
+    nhash: dict[str, int] = {}
+    order: list[str] = []
+    for k, op in enumerate(["add", "add", *ops]):
+        finished: tuple[str, ...] = ()
+        batch_ids = list(order)
+        if op == "add" and len(order) < 3:
+            rid = f"r{k}"
+            routes[rid], pos[rid], nhash[rid] = oracle(2000 + k, 160), 0, 0
+            order.append(rid)
+            batch_ids = list(order)
+        elif op == "finish" and order:
+            gone = order.pop(int(rng.integers(len(order))))
+            finished, batch_ids = (gone,), list(order)
+        elif op == "stall" and len(order) > 1:
+            batch_ids = [r for r in order if r != order[int(rng.integers(len(order)))]]
+        n = {r: (int(rng.integers(1, 7)) if pos[r] == 0 else 1) for r in batch_ids}
+        batch_ids = [r for r in batch_ids if pos[r] + n[r] <= len(routes[r])]
+        hashes = {}
+        for r in batch_ids:
+            done = (pos[r] + n[r]) // BS
+            if done > nhash[r]:
+                hashes[r] = [int(r[1:]) * 1000 + b for b in range(nhash[r], done)]
+                nhash[r] = done
+        m = meta({r: pos[r] for r in batch_ids}, hashes, finished)
+        if not batch_ids:
+            fused.begin_step(m)
+            plain.begin_step(m)
+            continue
+        batch = [(r, pos[r], routes[r][pos[r] : pos[r] + n[r]]) for r in batch_ids]
+        qsl = [0]
+        for _, _, rows in batch:
+            qsl.append(qsl[-1] + len(rows))
+        rows = np.concatenate([b[2] for b in batch])
+        out = fused.commit_lane_step(m, list(batch_ids), [b[1] for b in batch], list(qsl), rows)
+        if out is None:
+            fused.begin_step(m)
+            pf = fused.prepare_output(list(batch_ids), [b[1] for b in batch], qsl, rows, final=True)
+            assert pf is not None
+            out = fused.process_output(pf)
+        plain.begin_step(m)
+        pp = plain.prepare_output(list(batch_ids), [b[1] for b in batch], qsl, rows, final=True)
+        assert pp is not None
+        ref = plain.process_output(pp)
+        _same_output(out, ref)
+        for r, start, want in batch:
+            assert_emits(out, r, start, want)
+        assert spy_f.puts == spy_p.puts, k
+        for r in batch_ids:
+            pos[r] += n[r]
+    assert (fused.lane_steps, fused.lane_prepared) == (plain.lane_steps, plain.lane_prepared)
+    assert fused.lane_fused <= fused.lane_steps and plain.lane_fused == 0
+
+
+def test_commit_lane_step_takes_the_steady_steps_and_declines_the_rest() -> None:
+    """Two requests decoding: once the lane runs, every step is committed in one call, the steps
+    whose block hashes arrive included (their blocks are published, as begin_step would); a
+    terminal event is declined, with nothing done."""
+    t = {"a": oracle(41, 64), "b": oracle(42, 64)}
+    w, _ = make()
+    taken = []
+    for s in range(40):
+        hashes = {r: [{"a": 100, "b": 200}[r] + (s + 1) // BS] for r in "ab"} if (s + 1) % BS == 0 else None
+        m = meta({"a": s, "b": s}, hashes)
+        rows = np.concatenate([t[r][s : s + 1] for r in "ab"])
+        out = w.commit_lane_step(m, ["a", "b"], [s, s], [0, 1, 2], rows)
+        taken.append(out is not None)
+        if out is None:
+            w.begin_step(m)
+            p = w.prepare_output(["a", "b"], [s, s], [0, 1, 2], rows, final=True)
+            assert p is not None
+            out = w.process_output(p)
+        for r in "ab":
+            assert_emits(out, r, s, t[r][s : s + 1])
+    assert not any(taken[:2]) and all(taken[3:]), taken
+    assert w.lane_fused == sum(taken)
+    assert w.store.contains([k for r in "ab" for k in w._keys[w._slot_of[r]]]) == [True] * (2 * (40 // BS))
+    s = 40
+    rows = np.concatenate([t["a"][s : s + 1]])
+    before = w.lane_steps
+    assert w.commit_lane_step(meta({"a": s}, None, ("b",)), ["a"], [s], [0, 1], rows) is None
+    assert w.lane_steps == before  # (declined: nothing moved)
+
+
 def test_peek_predicts_the_steady_decode_steps_and_nothing_else() -> None:
     """Two requests decoding: after the lane starts every step is predicted, block fills included;
     a terminal event, a new generation or a different batch is not."""

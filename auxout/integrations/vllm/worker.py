@@ -90,6 +90,11 @@ def num_rejected_tokens(
     return out
 
 
+def _check_output(output: Any) -> None:
+    if not isinstance(output, ModelRunnerOutput) or output is EMPTY_MODEL_RUNNER_OUTPUT:
+        raise RuntimeError(f"auxout needs the step's ModelRunnerOutput, got {type(output).__name__}")
+
+
 class AuxoutWorkerMixin:
     """Route capture and connector calls, shared by the CPU and GPU worker classes."""
 
@@ -100,6 +105,7 @@ class AuxoutWorkerMixin:
     _auxout_role: RankRole = RankRole(captures=True, owns_routes=True, pp_size=1, last_stage=True)
     _auxout_connector: WorkerConnector | None = None
     _auxout_pending: tuple[PendingStep, list[str], dict[str, int], dict[str, list[int]]] | None = None
+    _auxout_done: StepOutput | None = None  # a step committed when prepared, for its output
     _auxout_executed: tuple[WorkerConnector, Any, int, list[str], Any] | None = None  # forward done, not prepared yet
     # Async scheduling resolves step outputs on the executor's output thread: connector calls lock.
     _auxout_lock: threading.Lock = threading.Lock()
@@ -277,9 +283,11 @@ class AuxoutWorkerMixin:
             return
         conn, meta, req_ids, starts, q, rows, sent = job
         with self._auxout_lock:
-            conn.begin_step(meta)
-            pending = conn.prepare_output(req_ids, np.array(starts, dtype=np.int64), q, rows, final=True)
-            out = None if pending is None else conn.process_output(pending)
+            out = conn.commit_lane_step(meta, req_ids, starts, q, rows)  # (the three calls in one)
+            if out is None:  # (not the lane's next step after all, or it brings more: the three calls)
+                conn.begin_step(meta)
+                pending = conn.prepare_output(req_ids, np.array(starts, dtype=np.int64), q, rows, final=True)
+                out = None if pending is None else conn.process_output(pending)
         if (
             out is None or out.lo is not sent.lo or out.hi is not sent.hi or out.rows is not rows or out.errors
             or out.heads or out.weights is not None or out.one_row_starts != sent.one_row_starts
@@ -325,6 +333,12 @@ class AuxoutWorkerMixin:
         if rows is None:
             rows = self._auxout_capture.snapshot(int(qsl[-1]))
         spec = scheduler_output.scheduled_spec_decode_tokens  # (scheduled counts matter only with drafts)
+        if not spec and meta is not None and conn.max_concurrent_batches == 1:  # the decode lane's next step?
+            with self._auxout_lock:
+                done = conn.commit_lane_step(meta, req_ids, starts.tolist(), qsl.tolist(), rows)
+            if done is not None:
+                self._auxout_done = done
+                return
         with self._auxout_lock:
             conn.begin_step(meta)
             pending = conn.prepare_output(req_ids, starts, qsl, rows, final=not spec)
@@ -335,6 +349,12 @@ class AuxoutWorkerMixin:
             )  # fmt: skip
 
     def _auxout_finish(self, output: Any) -> Any:
+        done = self._auxout_done
+        if done is not None:  # committed in one call already (``commit_lane_step``)
+            self._auxout_done = None
+            if isinstance(output, AsyncModelRunnerOutput):  # (not with one batch in flight; kept exact)
+                return RoutedAsyncOutput(output, lambda resolved: self._auxout_attach(resolved, done))
+            return self._auxout_attach(output, done)
         step = self._auxout_pending
         if step is None:
             return output
@@ -347,8 +367,7 @@ class AuxoutWorkerMixin:
     def _auxout_commit(
         self, step: tuple[PendingStep, list[str], dict[str, int], dict[str, list[int]]], output: Any
     ) -> Any:
-        if not isinstance(output, ModelRunnerOutput) or output is EMPTY_MODEL_RUNNER_OUTPUT:
-            raise RuntimeError(f"auxout needs the step's ModelRunnerOutput, got {type(output).__name__}")
+        _check_output(output)
         pending, req_ids, scheduled, spec = step
         rejected = None  # (sampled counts matter only where drafts may have been rejected)
         if spec:
@@ -365,6 +384,12 @@ class AuxoutWorkerMixin:
         assert self._auxout_connector is not None
         with self._auxout_lock:
             routes = self._auxout_connector.process_output(pending, None, rejected)
+        return self._auxout_attach(output, routes)
+
+    def _auxout_attach(self, output: Any, routes: StepOutput) -> Any:
+        """Put a step's routes (and the store reports of steps settled after their output was
+        sent) on its ``ModelRunnerOutput``."""
+        _check_output(output)  # (_auxout_commit checked it already: cheap, and this stays safe alone)
         late = self._auxout_late
         if late[0] or late[1]:  # (reports of steps settled after their output was sent)
             published, lost = self._auxout_reports()
