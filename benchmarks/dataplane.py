@@ -377,8 +377,14 @@ class AuxoutDriver:
         sched, worker = self.sched, self.worker
         for r in admitted:
             sched.add_request(r.request_id, r.num_prompt_tokens, 0)
-        worker.begin_step(sched.build_metadata(st.rids, live))
-        pending = worker.prepare_output(st.rids, st.starts, st.qsl, rows)
+        meta = sched.build_metadata(st.rids, live)
+        # as vLLM's worker makes the calls: a step without drafts is final, and the decode lane's
+        # next step is committed in one call (the cursors as the lists it reads them into)
+        out = worker.commit_lane_step(meta, st.rids, st.starts.tolist(), st.qsl.tolist(), rows)
+        if out is not None:
+            return out
+        worker.begin_step(meta)
+        pending = worker.prepare_output(st.rids, st.starts, st.qsl, rows, final=True)
         assert pending is not None
         return worker.process_output(pending, st.sampled, st.rejected)
 
