@@ -6,7 +6,7 @@ draft differs from the oracle; every emitted chunk is compared with the oracle b
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 import pytest
@@ -1135,26 +1135,22 @@ def _peeked_step(
 _sched_op = hs.sampled_from(["decode"] * 14 + ["add", "add", "finish", "stall"])
 
 
-@settings(max_examples=150, deadline=None)
-@given(hs.lists(_sched_op, min_size=1, max_size=90), hs.integers(0, 2**16))
-def test_a_peeked_lane_step_is_what_the_connector_then_returns(ops: list[str], seed: int) -> None:
-    """Whenever ``peek_lane_step`` predicts an output, the real calls return exactly it (same spans,
-    starts and rows), and peeking changes nothing: a second worker that never peeks emits and
-    stores the same. Random batches: requests join with a prefill, finish, or sit a step out."""
+def _random_decode_schedule(
+    ops: list[str], seed: int, route_seed: int
+) -> Iterator[tuple[StepMetadata, list[tuple[str, int, np.ndarray]]]]:
+    """Steps of a random engine schedule (metadata and ``(rid, start, rows)`` batch, maybe empty):
+    requests join with a prefill, finish, or sit a step out; blocks fill and their hashes arrive."""
     rng = np.random.default_rng(seed)
-    peeker, spy_p = make(capacity=256, max_num_seqs=4)
-    plain, spy_q = make(capacity=256, max_num_seqs=4)
     routes: dict[str, np.ndarray] = {}
     pos: dict[str, int] = {}  # live requests: tokens computed
     nhash: dict[str, int] = {}
     order: list[str] = []
-    hits = 0
     for k, op in enumerate(["add", "add", *ops]):  # (two requests to start with)
         finished: tuple[str, ...] = ()
         batch_ids = list(order)
         if op == "add" and len(order) < 3:
             rid = f"r{k}"
-            routes[rid], pos[rid], nhash[rid] = oracle(1000 + k, 160), 0, 0
+            routes[rid], pos[rid], nhash[rid] = oracle(route_seed + k, 160), 0, 0
             order.append(rid)
             batch_ids = list(order)
         elif op == "finish" and order:
@@ -1163,25 +1159,39 @@ def test_a_peeked_lane_step_is_what_the_connector_then_returns(ops: list[str], s
         elif op == "stall" and len(order) > 1:
             batch_ids = [r for r in order if r != order[int(rng.integers(len(order)))]]
         n = {r: (int(rng.integers(1, 7)) if pos[r] == 0 else 1) for r in batch_ids}
-        n = {r: c for r, c in n.items() if pos[r] + c <= len(routes[r])}
-        batch_ids = [r for r in batch_ids if r in n]
+        batch_ids = [r for r in batch_ids if pos[r] + n[r] <= len(routes[r])]
         hashes = {}
         for r in batch_ids:
             done = (pos[r] + n[r]) // BS
             if done > nhash[r]:
                 hashes[r] = [int(r[1:]) * 1000 + b for b in range(nhash[r], done)]
                 nhash[r] = done
-        m = meta({r: pos[r] for r in batch_ids}, hashes, finished)
-        batch = [(r, pos[r], routes[r][pos[r] : pos[r] + n[r]]) for r in batch_ids]
+        yield meta({r: pos[r] for r in batch_ids}, hashes, finished), [
+            (r, pos[r], routes[r][pos[r] : pos[r] + n[r]]) for r in batch_ids
+        ]
+        for r in batch_ids:
+            pos[r] += n[r]
+
+
+
+
+@settings(max_examples=150, deadline=None)
+@given(hs.lists(_sched_op, min_size=1, max_size=90), hs.integers(0, 2**16))
+def test_a_peeked_lane_step_is_what_the_connector_then_returns(ops: list[str], seed: int) -> None:
+    """Whenever ``peek_lane_step`` predicts an output, the real calls return exactly it (same spans,
+    starts and rows), and peeking changes nothing: a second worker that never peeks emits and
+    stores the same. Random batches: requests join with a prefill, finish, or sit a step out."""
+    peeker, spy_p = make(capacity=256, max_num_seqs=4)
+    plain, spy_q = make(capacity=256, max_num_seqs=4)
+    hits = 0
+    for m, batch in _random_decode_schedule(ops, seed, 1000):
         if not batch:  # (nothing scheduled: the engine makes no connector call but the metadata's)
             peeker.begin_step(m)
             plain.begin_step(m)
             continue
         peek, out = _peeked_step(peeker, m, batch)
         plain.begin_step(m)
-        p = prepare(plain, batch) if batch else None
-        assert p is not None
-        ref = plain.process_output(p)
+        ref = plain.process_output(prepare(plain, batch))
         for r, start, rows in batch:
             assert_emits(out, r, start, rows)
             assert_emits(ref, r, start, rows)
@@ -1192,8 +1202,6 @@ def test_a_peeked_lane_step_is_what_the_connector_then_returns(ops: list[str], s
             assert out.one_row_starts == peek.one_row_starts and out.req_ids == peek.req_ids
             assert not out.errors and not out.heads and out.weights is None
             assert peek.published == [] and peek.lost == []
-        for r in batch_ids:
-            pos[r] += n[r]
     assert spy_p.puts == spy_q.puts  # (peeking never moved the connector: same publications and pins)
     if hits:  # (a prediction was checked above: the lane ran)
         assert peeker.lane_steps >= hits
@@ -1213,60 +1221,31 @@ def test_a_fused_lane_step_equals_the_three_calls(ops: list[str], seed: int) -> 
     output equals that of a worker that always makes the three calls, and so do the store's puts
     and pins, step by step. Random batches: requests join with a prefill, finish, or sit a step
     out; blocks fill and their hashes arrive on the way."""
-    rng = np.random.default_rng(seed)
     fused, spy_f = make(capacity=256, max_num_seqs=4)
     plain, spy_p = make(capacity=256, max_num_seqs=4)
-    routes: dict[str, np.ndarray] = {}
-    pos: dict[str, int] = {}
-    nhash: dict[str, int] = {}
-    order: list[str] = []
-    for k, op in enumerate(["add", "add", *ops]):
-        finished: tuple[str, ...] = ()
-        batch_ids = list(order)
-        if op == "add" and len(order) < 3:
-            rid = f"r{k}"
-            routes[rid], pos[rid], nhash[rid] = oracle(2000 + k, 160), 0, 0
-            order.append(rid)
-            batch_ids = list(order)
-        elif op == "finish" and order:
-            gone = order.pop(int(rng.integers(len(order))))
-            finished, batch_ids = (gone,), list(order)
-        elif op == "stall" and len(order) > 1:
-            batch_ids = [r for r in order if r != order[int(rng.integers(len(order)))]]
-        n = {r: (int(rng.integers(1, 7)) if pos[r] == 0 else 1) for r in batch_ids}
-        batch_ids = [r for r in batch_ids if pos[r] + n[r] <= len(routes[r])]
-        hashes = {}
-        for r in batch_ids:
-            done = (pos[r] + n[r]) // BS
-            if done > nhash[r]:
-                hashes[r] = [int(r[1:]) * 1000 + b for b in range(nhash[r], done)]
-                nhash[r] = done
-        m = meta({r: pos[r] for r in batch_ids}, hashes, finished)
-        if not batch_ids:
+    for k, (m, batch) in enumerate(_random_decode_schedule(ops, seed, 2000)):
+        if not batch:
             fused.begin_step(m)
             plain.begin_step(m)
             continue
-        batch = [(r, pos[r], routes[r][pos[r] : pos[r] + n[r]]) for r in batch_ids]
+        ids, starts = [b[0] for b in batch], [b[1] for b in batch]
         qsl = [0]
         for _, _, rows in batch:
             qsl.append(qsl[-1] + len(rows))
         rows = np.concatenate([b[2] for b in batch])
-        out = fused.commit_lane_step(m, list(batch_ids), [b[1] for b in batch], list(qsl), rows)
+        out = fused.commit_lane_step(m, list(ids), list(starts), list(qsl), rows)
         if out is None:
             fused.begin_step(m)
-            pf = fused.prepare_output(list(batch_ids), [b[1] for b in batch], qsl, rows, final=True)
+            pf = fused.prepare_output(ids, starts, qsl, rows, final=True)
             assert pf is not None
             out = fused.process_output(pf)
         plain.begin_step(m)
-        pp = plain.prepare_output(list(batch_ids), [b[1] for b in batch], qsl, rows, final=True)
+        pp = plain.prepare_output(ids, starts, qsl, rows, final=True)
         assert pp is not None
-        ref = plain.process_output(pp)
-        _same_output(out, ref)
+        _same_output(out, plain.process_output(pp))
         for r, start, want in batch:
             assert_emits(out, r, start, want)
         assert spy_f.puts == spy_p.puts, k
-        for r in batch_ids:
-            pos[r] += n[r]
     assert (fused.lane_steps, fused.lane_prepared) == (plain.lane_steps, plain.lane_prepared)
     assert fused.lane_fused <= fused.lane_steps and plain.lane_fused == 0
 
