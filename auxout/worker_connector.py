@@ -575,8 +575,7 @@ class WorkerConnector:
         if len(qsl) != n + 1 or len(ts) != n:
             raise InvariantError(f"step of {n} requests needs {n + 1} query_start_loc and {n} token_starts")
         prof = self.profile
-        dtype = rows.dtype
-        if (dtype is not self._row_dtype and dtype != self._row_dtype) or rows.shape[1:] != self._row_shape or rows.ndim != 3:
+        if not self._fits_profile(rows):
             raise InvariantError(
                 f"captured rows profile changed: got {rows.dtype}{list(rows.shape[1:])}, "
                 f"expected {prof.dtype}{list(prof.shape_per_token)}"
@@ -1014,8 +1013,7 @@ class WorkerConnector:
         """
         lane = self._lane_next(meta, req_ids, token_starts, query_start_loc, rows)
         if (
-            lane is None or self._awaiting or rows.ndim != 3 or not rows.flags.c_contiguous
-            or rows.dtype != self._row_dtype or rows.shape[1:] != self._row_shape
+            lane is None or self._awaiting or not rows.flags.c_contiguous or not self._fits_profile(rows)
         ):  # fmt: skip
             return None
         self._step_ready = True  # (begin_step: a steady step of the lane; new hashes are all it may bring)
@@ -1028,6 +1026,11 @@ class WorkerConnector:
         self.lane_prepared += 1
         self.lane_fused += 1
         return self._lane_advance(lane, req_ids, lane.ends[lane.j], rows, token_starts if lane.q0 == 0 else None)
+
+    def _fits_profile(self, rows: np.ndarray) -> bool:
+        """Whether ``rows`` are ``[n, *shape_per_token]`` of the profile's dtype (checked every step)."""
+        dtype = rows.dtype
+        return rows.ndim == 3 and (dtype is self._row_dtype or dtype == self._row_dtype) and rows.shape[1:] == self._row_shape
 
     def _lane_next(
         self, meta: StepMetadata, req_ids: list[str], token_starts: list[int], query_start_loc: list[int],

@@ -90,9 +90,11 @@ def num_rejected_tokens(
     return out
 
 
-def _check_output(output: Any) -> None:
+def _check_output(output: Any) -> Any:
+    """``output`` itself, if it is a step's own ``ModelRunnerOutput`` (the routes go on it)."""
     if not isinstance(output, ModelRunnerOutput) or output is EMPTY_MODEL_RUNNER_OUTPUT:
         raise RuntimeError(f"auxout needs the step's ModelRunnerOutput, got {type(output).__name__}")
+    return output
 
 
 class AuxoutWorkerMixin:
@@ -353,8 +355,8 @@ class AuxoutWorkerMixin:
         if done is not None:  # committed in one call already (``commit_lane_step``)
             self._auxout_done = None
             if isinstance(output, AsyncModelRunnerOutput):  # (not with one batch in flight; kept exact)
-                return RoutedAsyncOutput(output, lambda resolved: self._auxout_attach(resolved, done))
-            return self._auxout_attach(output, done)
+                return RoutedAsyncOutput(output, lambda resolved: self._auxout_attach(_check_output(resolved), done))
+            return self._auxout_attach(_check_output(output), done)
         step = self._auxout_pending
         if step is None:
             return output
@@ -388,8 +390,7 @@ class AuxoutWorkerMixin:
 
     def _auxout_attach(self, output: Any, routes: StepOutput) -> Any:
         """Put a step's routes (and the store reports of steps settled after their output was
-        sent) on its ``ModelRunnerOutput``."""
-        _check_output(output)  # (_auxout_commit checked it already: cheap, and this stays safe alone)
+        sent) on its ``ModelRunnerOutput`` (checked by the caller: ``_check_output``)."""
         late = self._auxout_late
         if late[0] or late[1]:  # (reports of steps settled after their output was sent)
             published, lost = self._auxout_reports()
