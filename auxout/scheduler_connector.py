@@ -115,6 +115,7 @@ class SchedulerConnector:
         # the first position of each reset whose rows come from after it (the bridge reports them)
         self.reset_at: dict[str, list[int]] = {}
         self._recomputes: dict[str, int] = {}
+        self._loading: dict[str, int] = {}  # requests waiting for an asynchronous KV load: their local hit
         self.keyspace = keyspace or KeySpace()
         self.block_size = block_size if block_size is not None else (publisher.block_size if publisher else 0)
         self.remote_contains = remote_contains
@@ -240,6 +241,7 @@ class SchedulerConnector:
         """Terminal event on preemption, finish or abort; call before the KV blocks are freed."""
         rid = request.request_id
         self._step_cache = self._meta_cache = None
+        self._loading.pop(rid, None)
         if not preempted:
             self._options.pop(rid, None)
             self._delivered.pop(rid, None)
@@ -485,6 +487,7 @@ class SchedulerConnector:
         self._options.pop(request_id, None)
         self._delivered.pop(request_id, None)
         self._recomputed.pop(request_id, None)
+        self._loading.pop(request_id, None)
 
     # -- prefix hits without routes: clip, then recompute ------------------------------------
     def readable_prefix(self, request: SchedRequest, num_hit_tokens: int, num_local_tokens: int | None = None) -> int:
@@ -520,6 +523,57 @@ class SchedulerConnector:
         clipped = ready * bs
         self.count_recompute(rid, clipped, num_hit_tokens)
         return clipped
+
+    def external_hit(self, request: SchedRequest, num_local_tokens: int, num_external: int, load_async: bool) -> int:
+        """How much of a KV connector's hit to take: all of it (``num_external``) or nothing.
+
+        A connector places the blocks it matched by its own rule (from the front, or lined up
+        from the end, as NIXL and Mooncake's P/D connector do), whatever count the engine
+        allocates for, so a cut count loads wrong KV. An asynchronous load is taken whole when
+        some block past the local hit would be used (otherwise it is skipped): where computation
+        resumes once it lands is :meth:`resume_after_load`'s answer. A synchronous
+        load counts as computed at once, so it is taken only when it ends on a hash-block
+        boundary before the last token with every route block readable; otherwise it is
+        refused and recomputed.
+        """
+        if num_external <= 0:
+            return 0
+        total = num_local_tokens + num_external
+        if load_async:
+            if self._resume_point(request, total, num_local_tokens) > num_local_tokens:
+                self._loading[request.request_id] = num_local_tokens
+                return num_external
+            self.count_recompute(request.request_id, num_local_tokens, min(total, request.num_tokens - 1))
+            return 0  # (nothing past the local hit would be used: the transfer is skipped)
+        if (
+            total % max(self.block_size, 1) == 0
+            and total < request.num_tokens  # (the last token is computed: it samples the next)
+            and self.readable_prefix(request, total, num_local_tokens) == total
+        ):
+            return num_external
+        self.count_recompute(request.request_id, num_local_tokens, total)
+        return 0
+
+    def resume_after_load(self, request: SchedRequest, num_loaded_tokens: int) -> int:
+        """Where computation resumes once a KV load taken by :meth:`external_hit` has landed.
+
+        The engine would resume at ``num_loaded_tokens`` (one short of the prompt for a whole
+        prompt hit), possibly inside a block; the worker captures from hash-block boundaries only,
+        and rows of a partial block live in no stored block. So it resumes at the last hash-block
+        boundary up to which routes are readable; the KV loaded past it is valid and is written
+        again by the recompute. The positions recomputed are counted.
+        """
+        local = self._loading.pop(request.request_id, 0)
+        keep = self._resume_point(request, num_loaded_tokens, local)
+        resume = min(num_loaded_tokens, request.num_tokens - 1)
+        if keep < resume:
+            self.count_recompute(request.request_id, keep, resume)
+        return keep
+
+    def _resume_point(self, request: SchedRequest, num_loaded_tokens: int, num_local_tokens: int) -> int:
+        resume = min(num_loaded_tokens, request.num_tokens - 1)
+        keep = self.readable_prefix(request, resume, min(num_local_tokens, resume)) if resume > 0 else 0
+        return keep - keep % max(self.block_size, 1)
 
     def count_recompute(self, request_id: str, lo: int, hi: int) -> int:
         """Positions ``[lo, hi)`` of a request's prefix hit are recomputed for lack of routes;

@@ -678,30 +678,13 @@ class WorkerConnector:
         cur = self._capture[slots]
         fresh = cur < 0
         cur = np.where(fresh, ts, cur)
-        back = ts < cur
-        if np.count_nonzero(back):
-            i = int(np.argmax(back))
-            raise InvariantError(
-                f"capture moved backwards for request {p.req_ids[i]!r}: step starts at {int(ts[i])}, "
-                f"rows up to {int(cur[i])} were already captured"
-            )
         gap = ts > cur
-        if np.count_nonzero(gap):
-            unbacked = gap & (cur >= self._sched[slots])
-            if unbacked.any():
-                i = int(np.argmax(unbacked))
-                raise InvariantError(
-                    f"capture has an unbacked token gap for request {p.req_ids[i]!r}: step starts at "
-                    f"{int(ts[i])}, capture cursor {int(cur[i])} is not inside a rejected draft range"
-                )
         cap = np.where(gap, cur, ts)  # re-attach rows of an optimistic schedule at the real cursor
-        unaligned = fresh & (cap % bs != 0)
-        if np.count_nonzero(unaligned):
-            i = int(np.argmax(unaligned))
-            raise InvariantError(
-                f"capture is not contiguous for request {p.req_ids[i]!r}: first rows start at {int(cap[i])}, "
-                f"which is not a multiple of the hash block size {bs}"
-            )
+        broken = (ts < cur) | (fresh & (cap % bs != 0))
+        if np.count_nonzero(gap):
+            broken |= gap & (cur >= self._sched[slots])
+        if np.count_nonzero(broken):
+            return self._commit_apart(p, rejected, broken, fresh, cur)
         end = cap + kept
         self._capture[slots] = end
         self._sched[slots] = ts + n_exec
@@ -795,6 +778,53 @@ class WorkerConnector:
                 hi[i] = n + len(head) + kept[i]
         published, lost = self._route_events()
         return StepOutput(list(p.req_ids), emit, lo, hi, rows, errors, published, lost, heads)  # emit: a gathered copy
+
+    def _commit_apart(
+        self, p: PendingStep, rejected: np.ndarray, broken: np.ndarray, fresh: np.ndarray, cur: np.ndarray
+    ) -> StepOutput:
+        """Commit a step without the requests whose rows cannot continue their capture.
+
+        Each of those (capture moved backwards, a gap no rejected draft explains, or a first
+        capture off a hash-block boundary) breaks an invariant that guards which rows belong to
+        which tokens: it emits nothing and gets an entry in ``errors``, so the engine recomputes
+        it from a fresh incarnation (or fails it alone after repeated tries); the rest of the
+        batch commits as usual.
+        """
+        bs = self.block_size
+        ts = p.token_starts
+        errors: dict[str, str] = {}
+        for i in np.flatnonzero(broken).tolist():
+            rid, t, c = p.req_ids[i], int(ts[i]), int(cur[i])
+            if t < c:
+                why = f"capture moved backwards: step starts at {t}, rows up to {c} were already captured"
+            elif fresh[i]:
+                why = f"capture is not contiguous: first rows start at {t}, not a multiple of the hash block size {bs}"
+            else:
+                why = f"capture has an unbacked token gap: step starts at {t}, capture cursor {c} is not inside a rejected draft range"
+            s = int(p.slots[i])
+            if self._emit[s] != NO_EMIT:  # reported once per incarnation (later steps in flight stay silent)
+                self._emit[s] = NO_EMIT
+                errors[rid] = f"InvariantError: {why}"
+        keep = np.flatnonzero(~broken)
+        n = len(p.req_ids)
+        lo = np.full(n, -1, dtype=_I64)
+        hi = np.full(n, -1, dtype=_I64)
+        if not len(keep):
+            published, lost = self._route_events()
+            return StepOutput(list(p.req_ids), ts.copy(), lo, hi, p.rows[:0], errors, published, lost)
+        qs = p.query_start_loc[:-1][keep]
+        counts = p.query_start_loc[1:][keep] - qs
+        seg, off = _ranges(qs, counts)
+        part = PendingStep(
+            p.seq, [p.req_ids[i] for i in keep.tolist()], p.slots[keep], ts[keep],
+            np.concatenate([[0], np.cumsum(counts)]).astype(_I64), p.rows[qs[seg] + off],
+        )  # fmt: skip
+        out = self._commit(part, rejected[keep])
+        starts = ts.copy()
+        starts[keep], lo[keep], hi[keep] = out.token_starts, out.lo, out.hi
+        return StepOutput(
+            list(p.req_ids), starts, lo, hi, out.rows, {**out.errors, **errors}, out.published, out.lost, out.heads
+        )
 
     def _read_heads(
         self,

@@ -54,16 +54,32 @@ class SimResult:
 
 
 class SimKVConnector:
-    """KV saved outside the engine, by block hash (vLLM's ``ExampleConnector`` in miniature).
+    """KV saved outside the engine (a P/D peer, an offload tier, a restarted engine's saved KV).
 
-    Engines sharing one connector see each other's KV: a finished request's computed full
-    blocks are saved, and a later request anywhere loads the longest saved prefix beyond its
-    local hit. Routes do not travel with the KV: they come from the route store or are
-    recomputed.
+    Engines sharing one connector see each other's KV: a finished request's computed KV is
+    saved. Routes do not travel with the KV: they come from the route store or are recomputed.
+    Two placements, as real connectors differ:
+
+    - ``align="front"`` (vLLM's ``ExampleConnector``): saved full blocks by block hash; a later
+      request anywhere matches the longest saved run beyond its local hit, in whole blocks, and
+      the load writes that run into the blocks after the local hit.
+    - ``align="tail"`` (NIXL, Mooncake's P/D connector): a peer's whole prompt, partial last
+      block included, matched by the exact prompt; the load lines the peer's blocks up from
+      the end with the blocks the engine allocated past its local hit.
+
+    ``load`` is the placement oracle: it raises if the count the engine takes would make any
+    block land on the wrong position (a cut hit: wrong KV on a real engine, or a crash).
+    ``async_load``: the load lands between steps (NIXL): the engine resumes where
+    ``SchedulerConnector.resume_after_load`` says; otherwise it counts as computed at once.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, align: str = "front", async_load: bool = False) -> None:
+        if align not in ("front", "tail"):
+            raise ValueError(f"align must be 'front' or 'tail', got {align!r}")
+        self.align = align
+        self.async_load = async_load
         self.saved: set[bytes] = set()
+        self.prompts: dict[bytes, int] = {}  # tail: a prompt's key -> tokens of KV saved
         self.loaded_tokens = 0
 
     def match(self, hashes: list[bytes], start: int, limit: int) -> int:
@@ -72,6 +88,33 @@ class SimKVConnector:
         while n < limit and hashes[n] in self.saved:
             n += 1
         return n - start
+
+    def match_tokens(self, key: bytes, hashes: list[bytes], num_tokens: int, local: int, block_size: int) -> int:
+        """Tokens past ``local`` the connector would load for a fresh request."""
+        if self.align == "tail":
+            return max(0, self.prompts.get(key, 0) - local)
+        limit = min((num_tokens - 1) // block_size, len(hashes))
+        return self.match(hashes, local // block_size, limit) * block_size
+
+    def save(self, key: bytes, hashes: list[bytes], num_computed: int, prompt_len: int, block_size: int) -> None:
+        """A finished request's KV: its computed full blocks, and (tail) its prompt's tokens."""
+        self.saved.update(hashes[: num_computed // block_size])
+        n = min(num_computed, prompt_len)
+        if self.align == "tail" and n:
+            self.prompts[key] = max(self.prompts.get(key, 0), n)
+
+    def load(self, matched: int, local: int, taken: int, block_size: int) -> None:
+        """Check that taking ``taken`` of ``matched`` tokens past ``local`` places every block right."""
+        if taken == matched:
+            return
+        raise AssertionError(
+            f"KV connector ({self.align}-aligned) matched {matched} tokens past {local} but the engine "
+            f"allocated for {taken}: its blocks would land on the wrong positions"
+        )
+
+    def clear(self) -> None:
+        self.saved.clear()
+        self.prompts.clear()
 
 
 @dataclass
@@ -390,13 +433,10 @@ class SimEngine:
             i += 1
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            hit, ext = self._prefix_hit(req)
-            start = (len(hit) + ext) * self.block_size
+            hit, start = self._prefix_hit(req)
             n = min(req.num_tokens - start, budget)
             if not self.kv.allocate(req, hit, start + n):
                 break
-            if self.kv_connector is not None:
-                self.kv_connector.loaded_tokens += ext * self.block_size
             self.waiting.popleft()
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = start
@@ -411,18 +451,33 @@ class SimEngine:
         return out
 
     def _prefix_hit(self, req: _Request) -> tuple[list[int], int]:
-        """Local cached blocks and external (connector) blocks to skip, clipped to readable routes."""
+        """Local cached blocks (clipped to readable routes) and the tokens to skip: the local hit,
+        plus a KV connector's hit taken whole or not at all (``SchedulerConnector.external_hit``)."""
         if req.num_computed != 0:
             return [], 0
         bs = self.block_size
         hit = self.kv.lookup(req)
-        ext = 0
-        if self.kv_connector is not None:
-            limit = (req.num_tokens - 1) // bs
-            ext = self.kv_connector.match(req.block_hashes, len(hit), min(limit, len(req.block_hashes)))
-        total = (len(hit) + ext) * bs
-        keep = self.scheduler.readable_prefix(req, total, len(hit) * bs) // bs
-        return hit[:keep], max(0, keep - len(hit))
+        keep = self.scheduler.readable_prefix(req, len(hit) * bs) // bs
+        hit = hit[:keep]
+        local = keep * bs
+        conn = self.kv_connector
+        if conn is None or req.incarnation or req.output:
+            return hit, local
+        ext = conn.match_tokens(self._prompt_key(req), req.block_hashes, req.num_tokens, local, bs)
+        if ext <= 0:
+            return hit, local
+        taken = self.scheduler.external_hit(req, local, ext, conn.async_load)
+        if not taken:
+            return hit, local
+        conn.load(ext, local, taken, bs)
+        conn.loaded_tokens += taken
+        if conn.async_load:  # (lands before the next step here)
+            return hit, self.scheduler.resume_after_load(req, local + taken)
+        return hit, local + taken
+
+    @staticmethod
+    def _prompt_key(req: _Request) -> bytes:
+        return hashlib.sha256(repr((req.salt, req.prompt)).encode()).digest()
 
     def _preempt(self, req: _Request) -> None:
         if req in self.running:
@@ -544,8 +599,9 @@ class SimEngine:
     def _finish(self, req: _Request, reason: str) -> None:
         self.scheduler.request_finished(req)
         if self.kv_connector is not None:  # save the computed KV for other engines / later
-            n = min(req.true_computed // self.block_size, len(req.block_hashes))
-            self.kv_connector.saved.update(req.block_hashes[:n])
+            self.kv_connector.save(
+                self._prompt_key(req), req.block_hashes, req.true_computed, len(req.prompt), self.block_size
+            )
         self.kv.release(req)
         if req in self.running:
             self.running.remove(req)

@@ -207,7 +207,7 @@ def run_scenario(sc: dict, stats: dict | None = None) -> int:
             if peer is not None:
                 assert peer.reset_prefix_cache()
             if connector is not None:
-                connector.saved.clear()  # new weights: saved KV is stale too
+                connector.clear()  # new weights: saved KV is stale too
     if peer is not None:  # a shared inner store: both writers drain before either closes it
         peer.store.flush()
         eng.store.flush()

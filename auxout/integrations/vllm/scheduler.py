@@ -430,33 +430,43 @@ class AuxoutScheduler(Scheduler):
         return blocks, num_local, boundary, diverged
 
     def _auxout_clip_connector(self, connector: Any) -> None:
-        """A KV connector's external hit is taken whole or not at all, by its routes.
+        """A KV connector's external hit is taken whole, in the connector's own alignment, or not at all.
 
-        Connectors load the hit they matched whatever shorter count the scheduler allocates
-        for (ExampleConnector loads its whole file into too few blocks: a worker crash; NIXL maps
-        the remote blocks' tail onto the local ones: wrong KV), so a hit with an unreadable block
-        inside is recomputed whole. Only a trailing partial block, whose rows no hash block holds,
-        is cut (as before)."""
+        Connectors place the blocks they matched by their own rule, whatever shorter count the
+        scheduler allocates for: ExampleConnector loads its file from the front (into too few
+        blocks: a worker crash), NIXL and Mooncake's P/D connector line the remote blocks up from
+        the end (a shorter count shifts every block: wrong KV, silently). So the count is never cut:
+        - an asynchronous load is taken whole, and what its routes cannot cover is recomputed
+          after it lands (:meth:`_update_waiting_for_remote_kv`), from a hash-block boundary;
+        - a synchronous load (counted as computed at once) is taken only when it ends on a hash
+          block boundary with every route block readable; otherwise it is refused whole.
+        """
         original = connector.get_num_new_matched_tokens
-        block = self.block_size
 
         def get_num_new_matched_tokens(request: Request, num_computed_tokens: int) -> Any:
             ext, load_async = original(request, num_computed_tokens)
             if not ext:
                 return ext, load_async
-            total = num_computed_tokens + ext
-            keep = self.auxout.connector.readable_prefix(request, total, num_computed_tokens)
-            if keep < total:  # a block inside the hit has no readable routes
-                self._auxout_log_recompute(request, num_computed_tokens, total, "KV connector")
-                return 0, False
-            keep -= keep % block
-            clipped = max(0, keep - num_computed_tokens)
-            if clipped >= ext:
-                return ext, load_async
-            self._auxout_log_recompute(request, num_computed_tokens + clipped, total, "KV connector")
-            return (clipped, load_async) if clipped else (0, False)
+            taken = self.auxout.connector.external_hit(request, num_computed_tokens, ext, load_async)
+            if taken:
+                return taken, load_async
+            self._auxout_log_recompute(request, num_computed_tokens, num_computed_tokens + ext, "KV connector")
+            return 0, False
 
         connector.get_num_new_matched_tokens = get_num_new_matched_tokens
+
+    def _update_waiting_for_remote_kv(self, request: Request) -> None:
+        """An asynchronous KV load has landed: computation resumes from a hash-block boundary up
+        to which routes are readable (``SchedulerConnector.resume_after_load``), never inside a
+        block; the KV loaded past it is written again by the recompute (the path vLLM itself
+        takes after a failed block load)."""
+        loaded = request.num_computed_tokens
+        keep = self.auxout.connector.resume_after_load(request, loaded)
+        resume = min(loaded, request.num_tokens - 1)
+        if keep < resume:
+            request.num_computed_tokens = keep
+            self._auxout_log_recompute(request, keep, resume, "KV connector (resumed at a block boundary)")
+        super()._update_waiting_for_remote_kv(request)
 
     def _auxout_log_recompute(self, request: Request, lo: int, hi: int, source: str) -> None:
         """Count and log prefix positions ``[lo, hi)`` recomputed (each position once per request)."""
@@ -535,7 +545,7 @@ class AuxoutScheduler(Scheduler):
             self.running.remove(request)
             self._preempt_request(request, time.monotonic(), drop_stale_output=True)  # in-flight samples too
             logger.info(
-                "auxout: request %s recomputes its prefix: its routes could not be read (%s)",
+                "auxout: request %s recomputes its prompt: its routes could not be assembled (%s)",
                 rid, step.errors.get(rid, "") if step is not None else "",
             )  # fmt: skip
         if self.auxout.failed:
