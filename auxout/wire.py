@@ -11,7 +11,9 @@ the array.
 - ``"packed"``: ids bit-packed at ``ceil(log2(num_experts))`` bits, then DEFLATE (zlib); float
   weights are DEFLATE of their bytes. Chosen by measurement (``benchmarks/wire.py``,
   docs/performance.md): bit packing is the only lossless step that still wins on uniform
-  routing, and DEFLATE on top wins where routing is skewed, at no loss where it is not.
+  routing, and DEFLATE on top wins where routing is skewed. Where it cannot win (large
+  near-uniform routes) the zlib stream holds stored blocks (level 0) instead of level 1's
+  output, which would be slightly longer and ~10x slower to make: any zlib decoder reads both.
 
 Fields written for a payload named ``P`` (``routed_experts`` or ``routing_weights``):
 ``P`` (the base64 text), ``P_format``, ``P_dtype``, ``P_shape`` and, for ``"packed"`` ids,
@@ -32,6 +34,28 @@ import numpy as np
 FORMATS = ("npy", "sglang", "packed")
 DEFAULT_FORMAT = "npy"
 _ZLIB_LEVEL = 1
+_SAMPLE_BYTES = 4096  # packed ids up to this size are always deflated; larger ones are sampled
+_MIN_SAVING = 0.02  # deflate packed ids only where their byte histogram promises at least this
+
+
+def _deflate_level(packed: np.ndarray) -> int:
+    """zlib level for packed ids: 1, or 0 (stored blocks) where DEFLATE cannot pay for its time.
+
+    Bit-packed uniform routes are incompressible, and DEFLATE at level 1 spends ~20 ns a byte
+    (more than packing and base64 together) to make them 20 bytes longer. Packed routes rarely
+    repeat byte strings, so what DEFLATE can save is what its Huffman stage can, bounded by the
+    order-0 entropy of the bytes: a histogram of ``_SAMPLE_BYTES`` sampled evenly says whether
+    that reaches ``_MIN_SAVING``. Either level writes a standard zlib stream (decoders cannot
+    tell which was used), and where level 1 is chosen its bytes are what it always wrote.
+    """
+    if packed.size <= _SAMPLE_BYTES:
+        return _ZLIB_LEVEL
+    chunks = packed[: packed.size // 64 * 64].reshape(-1, 64)
+    sample = chunks[:: max(1, len(chunks) // (_SAMPLE_BYTES // 64))].reshape(-1)
+    counts = np.bincount(sample, minlength=256)
+    freq = counts[counts > 0] / sample.size
+    entropy = float(-(freq * np.log2(freq)).sum())
+    return _ZLIB_LEVEL if entropy <= 8 * (1 - _MIN_SAVING) else 0
 
 
 class WireFormatError(ValueError):
@@ -45,23 +69,115 @@ def id_bits(num_experts: int) -> int:
     return max(1, int(num_experts - 1).bit_length())
 
 
-def pack_ids(ids: np.ndarray, bits: int) -> bytes:
-    """Integer ids (< 2**bits, bits <= 16) as a big-endian bit stream, ``bits`` per id."""
+def _lane_mask(lane: int, width: int) -> np.uint64:
+    """A 64-bit word whose ``lane``-bit lanes each hold ``width`` low one-bits."""
+    return np.uint64(sum(((1 << width) - 1) << s for s in range(0, 64, lane)))
+
+
+def _squeeze(words: np.ndarray, scratch: np.ndarray, lane: int, width: int) -> None:
+    """Join each pair of ``lane/2``-bit lanes (``width`` bits used in each) into one ``lane``-bit
+    lane holding ``2 * width`` bits, the upper half's bits first (in place)."""
+    low = _lane_mask(lane, width)
+    np.right_shift(words, np.uint64(lane // 2 - width), out=scratch)
+    scratch &= low << np.uint64(width)
+    words &= low
+    words |= scratch
+
+
+def _spread(words: np.ndarray, scratch: np.ndarray, lane: int, width: int) -> None:
+    """Inverse of :func:`_squeeze` (in place)."""
+    low = _lane_mask(lane, width)
+    np.bitwise_and(words, low << np.uint64(width), out=scratch)
+    scratch <<= np.uint64(lane // 2 - width)
+    words &= low
+    words |= scratch
+
+
+def _windows(buf: np.ndarray, first: int, stride: int, count: int) -> np.ndarray:
+    """``count`` big-endian 8-byte windows of ``buf`` at ``first + i * stride`` (unaligned, and
+    overlapping where ``stride < 8``)."""
+    return np.ndarray((count,), dtype=">u8", buffer=buf, offset=first, strides=(stride,))
+
+
+def _store(out: np.ndarray, words: np.ndarray, first: int, stride: int) -> None:
+    """OR word ``i`` into zeroed ``out`` at byte ``first + i * stride`` (``stride >= 8``: stores
+    do not overlap), most significant byte first."""
+    _windows(out, first, stride, words.size)[...] |= words
+
+
+def _store_groups(out: np.ndarray, words: np.ndarray, nbytes: int) -> None:
+    """Write each word's leading ``nbytes`` bytes at ``out[i * nbytes:]`` (``nbytes < 8``).
+
+    Each word is written whole, as an unaligned 8-byte store, after the next words' leading bytes
+    are ORed into its trailing ones: the overlapping stores then agree on every byte they share,
+    so their order does not matter."""
+    window = np.empty_like(words)
+    np.right_shift(words[1:], np.uint64(8 * nbytes), out=window[:-1])
+    window[-1:] = 0
+    window |= words
+    for j in range(2, -(-8 // nbytes)):
+        window[:-j] |= words[j:] >> np.uint64(8 * nbytes * j)
+    _windows(out, 0, nbytes, words.size)[...] = window
+
+
+def _pack(flat: np.ndarray, bits: int) -> np.ndarray:
+    """The packed stream of checked ids ``flat`` as a uint8 array (see :func:`pack_ids`)."""
+    n = flat.size
+    nbytes = (n * bits + 7) // 8
+    if bits == 8:
+        return np.ascontiguousarray(flat, dtype=np.uint8)
+    if bits == 16:
+        return flat.astype(">u2").view(np.uint8)
+    groups = -(-n // 8)
+    lane_type = np.dtype(np.uint8) if bits < 8 else np.dtype(">u2")
+    if n == groups * 8:
+        lanes = flat.astype(lane_type)
+    else:
+        lanes = np.zeros(groups * 8, dtype=lane_type)
+        lanes[:n] = flat
+    words = lanes.view(np.uint64)
+    words.byteswap(inplace=True)  # first id in the top lane: 8 ids a word (bits < 8), or 4
+    scratch = np.empty_like(words)
+    if bits < 8:
+        for lane, width in ((16, bits), (32, 2 * bits), (64, 4 * bits)):
+            _squeeze(words, scratch, lane, width)
+        words <<= np.uint64(64 - 8 * bits)  # a group's `bits` bytes lead its word
+        out = np.empty(groups * bits + 8, dtype=np.uint8)
+        _store_groups(out, words, bits)
+        return out[:nbytes]
+    _squeeze(words, scratch, 32, bits)
+    _squeeze(words, scratch, 64, 2 * bits)  # 4 ids in the low 4 * bits bits: half a group
+    half = 4 * bits
+    words <<= np.uint64(64 - half)
+    words[1::2] >>= np.uint64(half % 8)  # (odd bits: a group's second half starts mid-byte)
+    out = np.zeros(groups * bits + 16, dtype=np.uint8)
+    _store(out, words[0::2], 0, bits)
+    _store(out, words[1::2], half // 8, bits)
+    return out[:nbytes]
+
+
+def _check_ids(flat: np.ndarray, bits: int) -> None:
     if not 1 <= bits <= 16:
         raise WireFormatError(f"bits must be in 1..16, got {bits}")
+    if flat.size and flat.dtype.kind not in "iub":
+        raise WireFormatError(f"ids must be integers, got dtype {flat.dtype}")
+    if flat.size:
+        high, low = int(flat.max()), int(flat.min())
+        if high >> bits or low < 0:
+            raise WireFormatError(f"an id ({high if high >> bits else low}) does not fit {bits} bits")
+
+
+def pack_ids(ids: np.ndarray, bits: int) -> bytes:
+    """Integer ids (< 2**bits, bits <= 16) as a big-endian bit stream, ``bits`` per id.
+
+    Eight ids fill exactly ``bits`` bytes, so the stream is built with whole-array 64-bit
+    shifts and masks (no Python loop over ids): ids one per byte (bits < 8) or per 16 bits
+    (bits > 8) of a word are squeezed together lane pair by lane pair, then each word's bytes
+    are stored at their place in the stream.
+    """
     flat = np.asarray(ids).reshape(-1)
-    if flat.size and int(flat.max()) >> bits:
-        raise WireFormatError(f"an id ({int(flat.max())}) does not fit {bits} bits")
-    nbytes = (flat.size * bits + 7) // 8
-    if bits <= 8:  # 8 ids fill exactly ``bits`` bytes: one 64-bit word per group, vectorized
-        groups = np.zeros(-(-flat.size // 8) * 8, dtype=np.uint64)
-        groups[: flat.size] = flat
-        shifts = np.arange(7, -1, -1, dtype=np.uint64) * np.uint64(bits)
-        words = np.bitwise_or.reduce(groups.reshape(-1, 8) << shifts, axis=1)
-        return words.astype(">u8").view(np.uint8).reshape(-1, 8)[:, 8 - bits :].tobytes()[:nbytes]
-    wide = np.ascontiguousarray(flat, dtype=">u2")
-    all_bits = np.unpackbits(wide.view(np.uint8).reshape(-1, 2), axis=1)[:, 16 - bits :]
-    return np.packbits(all_bits.reshape(-1)).tobytes()
+    _check_ids(flat, bits)
+    return _pack(flat, bits).tobytes()
 
 
 def unpack_ids(data: bytes, bits: int, count: int, dtype: np.dtype) -> np.ndarray:
@@ -70,23 +186,35 @@ def unpack_ids(data: bytes, bits: int, count: int, dtype: np.dtype) -> np.ndarra
         raise WireFormatError(f"bits must be in 1..16, got {bits}")
     if len(data) * 8 < count * bits:
         raise WireFormatError(f"packed payload holds {len(data) * 8} bits, {count} ids of {bits} bits need {count * bits}")
-    if bits <= 8:
-        groups = -(-count // 8)
-        raw = np.zeros((groups, 8), dtype=np.uint8)
-        body = np.frombuffer(data, dtype=np.uint8)[: groups * bits]
-        padded = np.zeros(groups * bits, dtype=np.uint8)
-        padded[: body.size] = body
-        raw[:, 8 - bits :] = padded.reshape(groups, bits)
-        words = raw.view(">u8").reshape(groups, 1).astype(np.uint64)
-        shifts = np.arange(7, -1, -1, dtype=np.uint64) * np.uint64(bits)
-        ids = (words >> shifts) & np.uint64((1 << bits) - 1)
-        return ids.reshape(-1)[:count].astype(dtype)
-    buf = np.frombuffer(bytes(data) + b"\0\0", dtype=np.uint8).astype(np.uint32)
-    offset = np.arange(count, dtype=np.int64) * bits
-    byte = offset >> 3
-    window = (buf[byte] << 16) | (buf[byte + 1] << 8) | buf[byte + 2]
-    shift = (24 - bits - (offset & 7)).astype(np.uint32)
-    return ((window >> shift) & ((1 << bits) - 1)).astype(dtype)
+    if bits == 8:
+        return np.frombuffer(data, dtype=np.uint8, count=count).astype(dtype)
+    if bits == 16:
+        return np.frombuffer(data, dtype=">u2", count=count).astype(dtype)
+    groups = -(-count // 8)
+    buf = np.zeros(groups * bits + 8, dtype=np.uint8)  # (room for the last group's 8-byte window)
+    body = np.frombuffer(data, dtype=np.uint8)[: groups * bits]
+    buf[: body.size] = body
+    if bits < 8:
+        words = _windows(buf, 0, bits, groups).astype(np.uint64)  # a group's bytes lead its window
+        words >>= np.uint64(64 - 8 * bits)
+        scratch = np.empty_like(words)
+        for lane, width in ((64, 4 * bits), (32, 2 * bits), (16, bits)):
+            _spread(words, scratch, lane, width)
+        words.byteswap(inplace=True)
+        return words.view(np.uint8)[:count].astype(dtype)
+    half = 4 * bits
+    whole, nibble = divmod(half, 8)
+    words = np.empty(2 * groups, dtype=np.uint64)  # the two halves of each group, 4 ids each
+    words[0::2] = _windows(buf, 0, bits, groups) >> np.uint64(64 - half)
+    second = _windows(buf, whole, bits, groups).astype(np.uint64)
+    second >>= np.uint64(64 - nibble - half)
+    second &= np.uint64((1 << half) - 1)
+    words[1::2] = second
+    scratch = np.empty_like(words)
+    _spread(words, scratch, 64, 2 * bits)
+    _spread(words, scratch, 32, bits)
+    words.byteswap(inplace=True)
+    return words.view(">u2")[:count].astype(dtype)
 
 
 def encode(array: np.ndarray, fmt: str = DEFAULT_FORMAT, *, name: str = "routed_experts",
@@ -107,7 +235,10 @@ def encode(array: np.ndarray, fmt: str = DEFAULT_FORMAT, *, name: str = "routed_
         fields[f"{name}_dtype"] = wire_dtype.name
     elif arr.dtype.kind in "iu":
         bits = id_bits(num_experts) if num_experts is not None else max(1, int(arr.max(initial=0)).bit_length())
-        payload = zlib.compress(pack_ids(arr, bits), _ZLIB_LEVEL)
+        flat = arr.reshape(-1)
+        _check_ids(flat, bits)
+        packed = _pack(flat, bits)
+        payload = zlib.compress(packed.data, _deflate_level(packed))
         fields[f"{name}_dtype"] = arr.dtype.name
         fields[f"{name}_bits"] = bits
     else:

@@ -11,7 +11,11 @@ the routes transformers computes for it, and a Qwen3-30B-A3B shape (48 layers, t
 synthetic uniform routes (the worst case for compression). The baseline for every ratio is
 ``full`` + ``npy`` (what vLLM returns today), measured in the same run.
 
-    python benchmarks/wire.py [--repeats 20]
+Then ``packed`` against ``npy`` for one 320-row delta at the Qwen3-30B-A3B shape, encode and
+decode, the two formats interleaved (ABBA) over ``--rounds`` rounds: the median per-round ratio
+and its 10th-90th percentile spread, for uniform routes and for skewed ones (where DEFLATE runs).
+
+    python benchmarks/wire.py [--repeats 20] [--rounds 41] [--ratio-only]
 """
 
 from __future__ import annotations
@@ -140,10 +144,49 @@ def summarize(results: list[dict[str, Any]]) -> None:
                 print(f"{mode:14s} {fmt:8s} {total:12d} {total / base:7.3f} {last:12d} {dec:15.1f} {enc:15.1f}")
 
 
+def _timed(fn: Any, calls: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) / calls
+
+
+def packed_vs_npy(label: str, ids: np.ndarray, experts: int, rounds: int, calls: int = 20) -> None:
+    """Encode and decode time of ``packed`` over ``npy`` for ``ids``, ABBA-interleaved, same run."""
+    fields = {fmt: encode(ids, fmt, num_experts=experts) for fmt in ("npy", "packed")}
+    for f in fields.values():
+        got = decode_routes(f)
+        assert got is not None and np.array_equal(got, ids)
+    times: dict[tuple[str, str], list[float]] = {(op, fmt): [] for op in ("encode", "decode") for fmt in fields}
+    for r in range(rounds):
+        order = ("npy", "packed", "packed", "npy") if r % 2 == 0 else ("packed", "npy", "npy", "packed")
+        per: dict[tuple[str, str], list[float]] = {k: [] for k in times}
+        for fmt in order:
+            per["encode", fmt].append(_timed(lambda f=fmt: encode(ids, f, num_experts=experts), calls))
+            per["decode", fmt].append(_timed(lambda f=fmt: decode_routes(fields[f]), calls))
+        for k, v in per.items():
+            times[k].append(statistics.mean(v))
+    print(f"\n## packed vs npy, {label}: {list(ids.shape)} {ids.dtype}, {rounds} ABBA rounds x {calls} calls")
+    print(f"{'op':7s} {'npy us':>9s} {'packed us':>10s} {'ratio (median)':>15s} {'p10-p90':>13s}")
+    for op in ("encode", "decode"):
+        ratios = sorted(p / n for p, n in zip(times[op, "packed"], times[op, "npy"], strict=True))
+        lo, hi = ratios[len(ratios) // 10], ratios[-1 - len(ratios) // 10]
+        print(f"{op:7s} {statistics.median(times[op, 'npy']) * 1e6:9.1f} {statistics.median(times[op, 'packed']) * 1e6:10.1f} "
+              f"{statistics.median(ratios):15.3f} {lo:6.3f}-{hi:6.3f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=41, help="ABBA rounds of the packed/npy ratio")
+    p.add_argument("--ratio-only", action="store_true", help="only the packed/npy ratio (no conversation, no torch)")
     args = p.parse_args()
+    delta = synthetic_routes(320)[0]
+    skewed = np.minimum(np.random.default_rng(2).geometric(0.05, size=delta.shape) - 1, 127).astype(np.uint8)
+    packed_vs_npy("Qwen3-30B-A3B shape, 320-row delta, uniform routes", delta, 128, args.rounds)
+    packed_vs_npy("Qwen3-30B-A3B shape, 320-row delta, skewed routes (geometric, p=0.05)", skewed, 128, args.rounds)
+    if args.ratio_only:
+        return
     total = TURNS * (NEW_TEXT + GENERATED)
     results = []
     tiny, tiny_w, e = tiny_routes(total)

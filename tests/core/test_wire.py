@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import zlib
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import auxout
-from auxout.wire import FORMATS, WireFormatError, decode_routes, encode, id_bits
+from auxout.wire import _SAMPLE_BYTES, FORMATS, WireFormatError, decode_routes, encode, id_bits
 
 
 @st.composite
@@ -115,3 +116,51 @@ def test_pack_matches_a_bit_by_bit_reference(bits: int, count: int, seed: int) -
     expected = bytes(int(stream[i : i + 8], 2) for i in range(0, len(stream), 8))
     assert pack_ids(ids, bits) == expected
     np.testing.assert_array_equal(unpack_ids(expected, bits, count, np.dtype(np.uint16)), ids)
+
+
+def _reference_pack(ids: np.ndarray, bits: int) -> bytes:
+    """MSB-first bit stream, ``bits`` per id, zero-padded to a byte: one id at a time."""
+    stream = "".join(format(int(v), f"0{bits}b") for v in ids.reshape(-1))
+    stream += "0" * (-len(stream) % 8)
+    return int(stream, 2).to_bytes(len(stream) // 8, "big") if stream else b""
+
+
+@st.composite
+def packed_cases(draw: st.DrawFn) -> tuple[np.ndarray, int]:
+    """Any expert count 1..65536, shapes whose packed stream spans both sides of the sampling
+    threshold, uniform or skewed ids (skewed ones leave DEFLATE something to win)."""
+    num_experts = draw(st.integers(1, 65536))
+    shape = (draw(st.integers(0, 300)), draw(st.integers(1, 8)), draw(st.integers(1, 8)))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    if draw(st.booleans()):
+        ids = rng.integers(0, num_experts, size=shape)
+    else:
+        ids = np.minimum(rng.geometric(0.3, size=shape) - 1, num_experts - 1)
+    return ids.astype(np.uint8 if num_experts <= 256 else np.uint16), num_experts
+
+
+@given(packed_cases())
+def test_packed_payload_is_the_reference_bit_stream(case: tuple[np.ndarray, int]) -> None:
+    ids, num_experts = case
+    bits = id_bits(num_experts)
+    fields = encode(ids, "packed", num_experts=num_experts)
+    assert fields["routed_experts_bits"] == bits
+    payload = base64.b64decode(fields["routed_experts"])
+    expected = _reference_pack(ids, bits)
+    assert zlib.decompress(payload) == expected
+    # level 1 (what the format always wrote) or stored blocks where DEFLATE had nothing to win
+    assert payload in (zlib.compress(expected, 1), zlib.compress(expected, 0))
+    if len(expected) <= _SAMPLE_BYTES:
+        assert payload == zlib.compress(expected, 1)
+    np.testing.assert_array_equal(decode_routes(fields), ids)
+
+
+def test_packed_keeps_level_1_bytes_where_deflate_wins_and_stores_where_it_cannot() -> None:
+    rng = np.random.default_rng(3)
+    skewed = np.minimum(rng.geometric(0.05, size=(320, 48, 8)) - 1, 127).astype(np.uint8)
+    uniform = rng.integers(0, 128, size=(320, 48, 8)).astype(np.uint8)
+    for ids, level in ((skewed, 1), (uniform, 0)):
+        payload = base64.b64decode(encode(ids, "packed", num_experts=128)["routed_experts"])
+        expected = _reference_pack(ids, 7)
+        assert payload == zlib.compress(expected, level)
+        assert len(payload) <= len(zlib.compress(expected, 1))
