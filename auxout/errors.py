@@ -76,6 +76,12 @@ class StoreUnavailableError(BlockStoreError):
     """
 
 
+class StoreAuthError(StoreUnavailableError):
+    """The store refused the client's credentials (none given, or wrong ones). To an engine it is
+    an unavailable store (publications dropped, reads recompute); to ``fetch``, a clear error
+    saying where credentials go. The message never shows them."""
+
+
 class CorruptObjectError(BlockStoreError):
     """A stored payload has the wrong length: truncated or foreign data is never returned."""
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from auxout.credentials import has_credentials, redact
 from auxout.errors import CorruptObjectError, PublicationError
 from auxout.keys import KEY_PREFIX
 from auxout.profile import dtype_name, parse_dtype_name, split_rows
@@ -107,7 +108,12 @@ class RouteManifest:
         if any(not isinstance(k, str) or not k for k in self.keys):
             raise bad("keys must be non-empty strings")
         if not isinstance(self.store, str) or not self.store.startswith(_SCHEMES):
-            raise bad(f"store={self.store!r} must be an address starting with one of {_SCHEMES}")
+            raise bad(f"store={redact(self.store)!r} must be an address starting with one of {_SCHEMES}")
+        if has_credentials(self.store):
+            raise bad(
+                f"store={redact(self.store)!r} carries credentials: a manifest names its store without them "
+                "(the reader brings its own: fetch(manifest, password=...))"
+            )
         if self.num_rows == 0:
             if self.keys or self.row_offset or self.last_object_rows:
                 raise bad("an empty manifest has no keys, row_offset or last_object_rows")
@@ -220,8 +226,14 @@ def publish_manifest(
     return RouteManifest(tuple(keys), token_start, num_rows, row_offset, last, block_size, shape, dtype, address)
 
 
-def open_store(address: str, *, object_nbytes: int) -> BlockStore:
-    """Open a reading client for a manifest's ``store`` address."""
+def open_store(
+    address: str, *, object_nbytes: int, username: str | None = None, password: str | None = None
+) -> BlockStore:
+    """Open a reading client for a manifest's ``store`` address.
+
+    ``username``/``password``: the store's credentials (Redis), else found as
+    :func:`auxout.credentials.resolve_credentials` says (environment); a manifest never holds them.
+    """
     if address.startswith("shm://"):
         from auxout.stores.shm import SharedMemoryStore
 
@@ -229,44 +241,64 @@ def open_store(address: str, *, object_nbytes: int) -> BlockStore:
     elif address.startswith(("redis://", "rediss://", "unix://")):
         from auxout.stores.redis import RedisStore
 
-        store = RedisStore.from_address(address, object_nbytes=object_nbytes)
+        store = RedisStore.from_address(address, object_nbytes=object_nbytes, username=username, password=password)
     elif address.startswith("mooncake://"):
         from auxout.stores.mooncake import MooncakeStore
 
+        if username is not None or password is not None:
+            raise ValueError("a Mooncake master takes no credentials: fetch its manifests without username/password")
         store = MooncakeStore.from_address(address, object_nbytes=object_nbytes)
     elif address.startswith("local://"):
         raise ValueError("the manifest names an in-process store (local://): pass it as fetch(manifest, store=...)")
     else:
-        raise ValueError(f"unknown route store address {address!r}")
+        raise ValueError(f"unknown route store address {redact(address)!r}")
     if store.object_nbytes < object_nbytes:
         store.close()
-        raise ValueError(f"store {address} holds {store.object_nbytes}-byte objects; manifest needs {object_nbytes}")
+        raise ValueError(f"store {redact(address)} holds {store.object_nbytes}-byte objects; manifest needs {object_nbytes}")
     return store
 
 
 def fetch(
-    manifest: RouteManifest, store: BlockStore | None = None, *, weights: bool = False
+    manifest: RouteManifest,
+    store: BlockStore | None = None,
+    *,
+    weights: bool = False,
+    username: str | None = None,
+    password: str | None = None,
 ) -> Any:
     """The exact route array ``(num_rows, *shape_per_token)`` a manifest names (read-only view).
 
     Missing (evicted, expired) objects raise ``ObjectMissingError`` naming them; a payload of the
-    wrong length raises ``CorruptObjectError``. Opens (and closes) a client when ``store`` is None.
-    The expert ids always; ``weights=True`` returns ``(ids, routing weights)`` (float32, same
-    shape), for manifests of an engine that captures them.
+    wrong length raises ``CorruptObjectError``. Opens (and closes) a client when ``store`` is None,
+    with ``username``/``password`` when the store needs credentials (else from the environment:
+    ``AUXOUT_STORE_URL`` or ``REDIS_URL`` naming the same server, or ``AUXOUT_STORE_PASSWORD``;
+    a store that refuses raises ``StoreAuthError`` saying so). The expert ids always;
+    ``weights=True`` returns ``(ids, routing weights)`` (float32, same shape), for manifests of
+    an engine that captures them.
     """
     if weights and not manifest.has_weights:
         raise ValueError("this manifest's routes hold no routing weights: the engine did not capture them")
-    ids, w = split_rows(fetch_rows(manifest, store))
+    ids, w = split_rows(fetch_rows(manifest, store, username=username, password=password))
     return (ids, w) if weights else ids
 
 
-def fetch_rows(manifest: RouteManifest, store: BlockStore | None = None) -> np.ndarray:
+def fetch_rows(
+    manifest: RouteManifest,
+    store: BlockStore | None = None,
+    *,
+    username: str | None = None,
+    password: str | None = None,
+) -> np.ndarray:
     """The stored rows a manifest names, as stored (structured (id, weight) slots with weights)."""
     m = manifest
     if m.num_rows == 0:
         return np.empty(m.shape, dtype=m.row_dtype)
     own = store is None
-    st = open_store(m.store, object_nbytes=m.object_nbytes) if store is None else store
+    st = (
+        open_store(m.store, object_nbytes=m.object_nbytes, username=username, password=password)
+        if store is None
+        else store
+    )
     try:
         raw = st.get_concatenated(list(m.keys))
     finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from auxout.credentials import redact
 from auxout.stores.arena import ArenaStore
 from auxout.stores.background import BackgroundStore
 from auxout.stores.base import BlockStore, check_seconds
@@ -75,8 +76,8 @@ def check_store_options(name: str, options: dict[str, Any]) -> None:
         check = _CHECKS.get(key)
         if check is not None:
             problem = check(value)
-            if problem:
-                raise ValueError(f"store {name!r} option {key!r} {problem}, got {value!r}")
+            if problem:  # (redacted: a URL's or an address's credentials never reach a message)
+                raise ValueError(f"store {name!r} option {key!r} {problem}, got {redact(value)}")
 
 
 def _url(value: object) -> str:
@@ -95,6 +96,8 @@ def _name(value: object) -> str:
 
 def _host_port(value: object) -> str:
     host, _, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
+    if "@" in host:  # (user info: Mooncake takes none, and the address is shown everywhere)
+        return "must be a 'host:port' string without user info (a Mooncake master takes no credentials)"
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         return "must be a 'host:port' string"
     return ""

@@ -18,6 +18,9 @@ wait 30-60 s for a hung master, so each call runs on one worker thread and the c
 most ``op_timeout`` (then ``MooncakeError`` with ``code=None``; until the stuck call returns, later calls
 fail at once).
 
+The master takes no credentials: an address with user info (``user:secret@host:port``) is
+refused, so none can reach a manifest, a log line or an error message.
+
 ``mooncake_master`` for tests and benchmarks: ``auxout.testing.servers.mooncake_master()``.
 """
 
@@ -51,6 +54,10 @@ _CODES = {
 _NO_SPACE = -200
 _RPC_FAIL = -900
 MAX_BATCH_BYTES = 64 * 2**20
+MASTER_ADDR_CREDENTIALS = (
+    "the Mooncake master address carries user info ('...@host:port'): a Mooncake master takes no "
+    "credentials, and the address goes into every keys-only manifest; give 'host:port'"
+)
 T = TypeVar("T")
 
 
@@ -114,6 +121,8 @@ class MooncakeStore:
     ) -> None:
         if not isinstance(object_nbytes, int) or object_nbytes <= 0:
             raise ValueError(f"MooncakeStore object_nbytes must be a positive int, got {object_nbytes!r}")
+        if "@" in master_addr:  # (the address is shown in messages and manifests: never with a secret)
+            raise ValueError(MASTER_ADDR_CREDENTIALS)
         max_batch_bytes = min(max_batch_bytes, local_buffer_size) if local_buffer_size else max_batch_bytes
         if not 0 < object_nbytes <= max_batch_bytes:
             raise ValueError(f"MooncakeStore needs 0 < object_nbytes={object_nbytes} <= max_batch_bytes={max_batch_bytes}")

@@ -11,8 +11,13 @@ operation fails at once instead of each waiting out its own timeout (the engine'
 recompute, as for any unavailable store), and the first operation after that tries again. The
 TTL starts at the first write: putting an existing key again neither overwrites it nor extends
 its lifetime. A keys-only manifest restarts the TTL of every object it names when it is returned
-(``touch``), so size the TTL to cover the trainer's fetch after the response. Valkey speaks the same protocol (not
-in Debian 12 apt, so tests use redis-server).
+(``touch``), so size the TTL to cover the trainer's fetch after the response.
+
+Credentials (a password, an ACL user) never leave the client: ``url`` and ``address`` are
+written without them, every message shows the URL without them, and a reader opening a
+manifest's address takes them from its caller (:mod:`auxout.credentials`); a server that
+refuses the credentials (or needs some) fails with ``StoreAuthError`` saying where they go.
+Valkey speaks the same protocol (not in Debian 12 apt, so tests use redis-server).
 """
 
 from __future__ import annotations
@@ -21,12 +26,14 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
-from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qs, urlencode, urlsplit
 
+from auxout.credentials import PASSWORD_ENV, REDIS_URL_ENV, STORE_URL_ENV, redact, resolve_credentials
 from auxout.errors import (
     BlockStoreError,
     CorruptObjectError,
     ObjectMissingError,
+    StoreAuthError,
     StoreClosedError,
     StoreUnavailableError,
 )
@@ -36,6 +43,11 @@ _BATCH_BYTES = 32 * 2**20
 _BATCH_KEYS = 4096
 
 
+
+
+def _url(scheme: str, netloc: str, path: str, query: str) -> str:
+    """A URL from its parts (``urlunsplit`` drops the ``//`` of a ``unix://`` URL's empty host)."""
+    return f"{scheme}://{netloc}{path}" + (f"?{query}" if query else "")
 
 
 def _chunks(n: int, per: int) -> Iterator[slice]:
@@ -55,9 +67,13 @@ class RedisStore:
         ttl: float | None = None,
         timeout: float = 5.0,
         retry_after: float = 10.0,
+        username: str | None = None,
+        password: str | None = None,
     ) -> None:
         """``timeout``: seconds any one socket operation may wait; ``retry_after``: seconds after a
-        timeout during which operations fail at once (0: each waits out its own timeout)."""
+        timeout during which operations fail at once (0: each waits out its own timeout);
+        ``username``/``password``: the server's credentials, else those in ``url``, else from the
+        environment (:func:`auxout.credentials.resolve_credentials`)."""
         import redis
         from redis.backoff import NoBackoff
         from redis.retry import Retry
@@ -70,7 +86,9 @@ class RedisStore:
             raise ValueError(f"RedisStore ttl must be positive seconds or None, got {ttl!r}")
         check_seconds("RedisStore timeout", timeout)
         check_seconds("RedisStore retry_after", retry_after, positive=False)
-        self.url = url
+        url, username, password = resolve_credentials(url, username=username, password=password)
+        self.url = url  # (without credentials: shown in messages and in the address)
+        self.authenticated = password is not None
         self.namespace = namespace
         self.object_nbytes = object_nbytes
         self.ttl = ttl
@@ -82,10 +100,13 @@ class RedisStore:
         self._errors: tuple[type[BaseException], ...] = (redis.ConnectionError, redis.TimeoutError)
         self._timeout_error: type[BaseException] = redis.TimeoutError
         self._redis_error: type[BaseException] = redis.RedisError
+        self._auth_error: type[BaseException] = redis.AuthenticationError
         # one quick reconnect absorbs a stale pooled socket after a server restart; no long backoff,
         # and no retry after a timeout (a server that did not answer in time would cost two)
         self._client: Any = redis.Redis.from_url(
             url,
+            username=username,
+            password=password,
             socket_timeout=timeout,
             socket_connect_timeout=timeout,
             retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
@@ -96,21 +117,26 @@ class RedisStore:
 
     @property
     def address(self) -> str:
-        """``redis://host:port/db?namespace=<ns>``: enough for ``auxout.fetch`` to reopen it."""
+        """``redis://host:port/db?namespace=<ns>``: enough for ``auxout.fetch`` to reopen it (never
+        with the credentials: the reader brings its own)."""
         parts = urlsplit(self.url)
         query = parse_qs(parts.query)
         query["namespace"] = [self.namespace]
-        return urlunsplit((parts.scheme, parts.netloc, parts.path, urlencode(query, doseq=True), ""))
+        return _url(parts.scheme, parts.netloc, parts.path, urlencode(query, doseq=True))
 
     @classmethod
-    def from_address(cls, address: str, *, object_nbytes: int, timeout: float = 5.0) -> RedisStore:
+    def from_address(
+        cls, address: str, *, object_nbytes: int, timeout: float = 5.0, username: str | None = None,
+        password: str | None = None,
+    ) -> RedisStore:
+        """A client for ``address`` (as ``address`` writes it), with the caller's credentials."""
         parts = urlsplit(address)
         query = parse_qs(parts.query)
         ns = query.pop("namespace", [None])[0]
         if not ns:
-            raise ValueError(f"redis store address {address!r} has no namespace= query parameter")
-        url = urlunsplit((parts.scheme, parts.netloc, parts.path, urlencode(query, doseq=True), ""))
-        return cls(url, namespace=ns, object_nbytes=object_nbytes, timeout=timeout)
+            raise ValueError(f"redis store address {redact(address)!r} has no namespace= query parameter")
+        url = _url(parts.scheme, parts.netloc, parts.path, urlencode(query, doseq=True))
+        return cls(url, namespace=ns, object_nbytes=object_nbytes, timeout=timeout, username=username, password=password)
 
     # -- protocol ------------------------------------------------------------------------------
     def put(
@@ -239,6 +265,13 @@ class _ErrorMap:
         if exc is None or isinstance(exc, BlockStoreError):
             return
         s = self.store
+        if isinstance(exc, s._auth_error):
+            raise StoreAuthError(
+                f"redis store {s.url} refused {self.op}: {exc} "
+                + ("(the password given was not accepted)" if s.authenticated else "(no password was given)")
+                + f". Pass the credentials to auxout.fetch(manifest, password=..., username=...), or set {PASSWORD_ENV}, "
+                f"or {STORE_URL_ENV} / {REDIS_URL_ENV} to a URL of this server with them"
+            ) from exc
         if isinstance(exc, s._timeout_error) and s.retry_after > 0:
             s._unanswered_at = time.monotonic()
         if isinstance(exc, s._errors):

@@ -8,6 +8,8 @@ if the starting process itself is killed, the kernel kills the daemon too (PR_SE
 
     with redis_server() as srv:        # srv.url == "redis://127.0.0.1:<port>"
         ...
+    with redis_server(password="pw") as srv:  # requirepass: srv.auth_url carries the password
+        ...
     with mooncake_master() as m:       # m.master_addr == "127.0.0.1:<port>"
         ...
 
@@ -27,6 +29,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from urllib.parse import quote
 
 LOOPBACK = "127.0.0.1"
 
@@ -129,9 +132,17 @@ class _Server:
 
 @dataclass
 class RedisServer(_Server):
+    password: str | None = field(default=None, repr=False)
+
     @property
     def url(self) -> str:
+        """The server's URL, without its password."""
         return f"redis://{LOOPBACK}:{self.port}"
+
+    @property
+    def auth_url(self) -> str:
+        """The server's URL with its password (``url`` when it has none)."""
+        return self.url if self.password is None else f"redis://:{quote(self.password, safe='')}@{LOOPBACK}:{self.port}"
 
 
 @dataclass
@@ -161,13 +172,20 @@ def mooncake_master_binary() -> str:
 
 
 @contextlib.contextmanager
-def redis_server(port: int | None = None) -> Iterator[RedisServer]:
-    """A throwaway redis-server on 127.0.0.1 without persistence; killed on exit."""
+def redis_server(port: int | None = None, *, password: str | None = None) -> Iterator[RedisServer]:
+    """A throwaway redis-server on 127.0.0.1 without persistence; killed on exit. ``password``:
+    the server requires it (``requirepass``, in a config file: not on the command line)."""
     port = port or free_port()
     with tempfile.TemporaryDirectory(prefix="auxout-redis-") as d:
-        argv = [redis_binary(), "--bind", LOOPBACK, "--port", str(port), "--save", "", "--appendonly", "no",
-                "--dir", d, "--protected-mode", "yes"]
-        srv = RedisServer(argv=argv, port=port, log_path=os.path.join(d, "redis.log"))
+        argv = [redis_binary()]
+        if password is not None:  # (a config file: the password stays out of the process list)
+            conf = os.path.join(d, "redis.conf")
+            with open(conf, "w") as fh:
+                fh.write(f'requirepass "{password}"\n')
+            argv.append(conf)
+        argv += ["--bind", LOOPBACK, "--port", str(port), "--save", "", "--appendonly", "no",
+                 "--dir", d, "--protected-mode", "yes"]  # fmt: skip
+        srv = RedisServer(argv=argv, port=port, log_path=os.path.join(d, "redis.log"), password=password)
         try:
             srv.start()
             yield srv

@@ -91,3 +91,38 @@ def test_engine_kwargs_reject_a_redis_store_without_namespace():
     with pytest.raises(ValueError, match="master_addr"):
         engine_kwargs(store="mooncake")
     engine_kwargs(store="redis", store_options=REDIS)
+
+
+SECRET = "s3cret-Pw"
+
+
+def test_store_credentials_never_reach_vllms_config_or_an_error(capsys, monkeypatch):
+    """vLLM logs its whole config at startup (``additional_config`` included) and pickles it to its
+    processes: a store URL's password goes to ``AUXOUT_STORE_URL``, which they inherit, instead."""
+    from auxout.credentials import STORE_URL_ENV
+    from auxout.vllm import engine_kwargs
+
+    monkeypatch.setenv(STORE_URL_ENV, "")  # (restored after the test: engine_kwargs sets it)
+    secret_url = f"redis://:{SECRET}@127.0.0.1:1/0"
+    options = {"url": secret_url, "namespace": "r3"}
+    argv = vllm_argv(["/m", "--auxout-store", "redis", "--auxout-store-options", json.dumps(options)])
+    assert SECRET not in " ".join(argv)
+    assert options_of(argv)["store_options"] == {"url": "redis://127.0.0.1:1/0", "namespace": "r3"}
+    import os
+
+    assert os.environ[STORE_URL_ENV] == secret_url
+    kw = engine_kwargs(store="redis", store_options=options)  # (offline: the same)
+    assert SECRET not in json.dumps(kw["additional_config"])
+    # two sources that disagree, and a bad value: the messages quote neither password
+    for bad in (
+        ["/m", "--auxout-store-options", json.dumps(options), "--additional-config",
+         json.dumps({CONFIG_KEY: {"store_options": {**options, "url": "redis://:other-Pw@h:1/0"}}})],
+        ["/m", "--auxout-store", "redis", "--auxout-store-options", json.dumps({**options, "url": f"http://:{SECRET}@h"})],
+        ["/m", "--auxout-store", "mooncake", "--auxout-store-options", json.dumps({"master_addr": f"a:{SECRET}@h:1"})],
+        ["/m", "--auxout-store-options", f'{{"url": "redis://:{SECRET}@h:1/0", bad json']
+    ):  # fmt: skip
+        with pytest.raises(ServeArgumentError) as ei:
+            vllm_argv(bad)
+        assert SECRET not in str(ei.value) and "other-Pw" not in str(ei.value), ei.value
+        assert main(bad) == 2
+        assert SECRET not in capsys.readouterr().err

@@ -7,6 +7,7 @@ import logging
 import uuid
 from typing import Any
 
+from auxout.credentials import export_store_url
 from auxout.integrations.vllm.options import CONFIG_KEY, LIFE_KEY, VllmOptions
 from auxout.keys import KeySpace, checkpoint_digest, model_keyspace, route_fingerprint
 from auxout.profile import id_dtype_for
@@ -34,6 +35,12 @@ def engine_kwargs(**options: Any) -> dict[str, Any]:
     Also installs, in this process, the split of returned rows into ids and routing weights, and
     each completion's own manifest (``completion_fields``: with ``n > 1`` each has its own).
 
+    A store URL's user and password (``store_options={"url": "redis://:secret@host:port/0"}``)
+    are not put in ``additional_config``, which vLLM logs at startup and pickles to its processes:
+    they go to ``AUXOUT_STORE_URL`` in this process's environment, which vLLM's engine and worker
+    processes inherit (:mod:`auxout.credentials`; giving them only there, or in ``REDIS_URL``,
+    works too).
+
     Prefix caching is not set here (vLLM turns it on by default for every model that supports it),
     so ``LLM(path, enable_prefix_caching=True, **engine_kwargs())`` works; the worker refuses to
     start, saying why, if it ends up off. Also installs auxout's request checks in this process
@@ -43,7 +50,9 @@ def engine_kwargs(**options: Any) -> dict[str, Any]:
     from auxout.integrations.vllm.validation import install_request_validation
     from auxout.integrations.vllm.weights_output import install_weights_split
 
-    opts = VllmOptions.from_dict(options)
+    opts, secret_url = VllmOptions.from_dict(options).without_credentials()
+    if secret_url is not None:
+        export_store_url(secret_url)
     install_request_validation()
     install_weights_split()
     install_completion_fields()

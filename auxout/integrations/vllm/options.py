@@ -16,6 +16,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from auxout.credentials import has_credentials, redact, split_credentials
+
 CONFIG_KEY = "auxout"
 ENV_VAR = "AUXOUT_VLLM_OPTIONS"
 LIFE_KEY = "auxout_life"
@@ -116,7 +118,7 @@ class VllmOptions:
         if not isinstance(self.namespace, str) or not self.namespace:
             raise ValueError(f"auxout option namespace must be a non-empty string, got {self.namespace!r}")
         if not isinstance(self.store_options, dict):
-            raise ValueError(f"auxout option store_options must be a dict, got {self.store_options!r}")
+            raise ValueError(f"auxout option store_options must be a dict, got {redact(self.store_options)}")
         from auxout.stores import check_store_options
 
         check_store_options(self.store, self.store_options)
@@ -131,6 +133,16 @@ class VllmOptions:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def without_credentials(self) -> tuple[VllmOptions, str | None]:
+        """These options with the store URL's user and password removed, and the URL that had
+        them (None if it had none): vLLM logs and pickles its configuration, where the options
+        travel, so the credentials go to the engine's processes another way (``engine_kwargs``)."""
+        url = self.store_options.get("url")
+        if not isinstance(url, str) or not has_credentials(url):
+            return self, None
+        clean = {**self.store_options, "url": split_credentials(url)[0]}
+        return VllmOptions.from_dict({**self.to_dict(), "store_options": clean}), url
 
 
 def options_from_vllm_config(vllm_config: Any) -> VllmOptions:

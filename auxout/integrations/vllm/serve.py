@@ -24,13 +24,18 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from auxout.credentials import redact
 from auxout.integrations.vllm.config import engine_kwargs
 from auxout.integrations.vllm.http_checks import MIDDLEWARE
 from auxout.integrations.vllm.options import CONFIG_KEY, ENV_VAR, LIFE_KEY, VllmOptions
 
 
 class ServeArgumentError(ValueError):
-    """A bad ``auxout serve`` argument or option source; the message names the option."""
+    """A bad ``auxout serve`` argument or option source; the message names the option (and shows
+    no store credentials: the values it quotes are redacted)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(redact(message))
 
 
 def _bool(text: str) -> bool:
@@ -208,8 +213,8 @@ def _split(argv: Sequence[str], env: str | None) -> tuple[list[str], argparse.Na
         raise ServeArgumentError(f"unknown auxout flag(s) {stray}; known: {sorted(auxout_flags())}")
     user_config = _pop_additional_config(rest)
     opts = resolve_options(ours, user_config, env)
-    ours.options = opts
-    kw = engine_kwargs(**opts.to_dict())
+    kw = engine_kwargs(**opts.to_dict())  # (the store URL's credentials go to the environment)
+    ours.options = VllmOptions.from_dict(kw["additional_config"][CONFIG_KEY])
     if rest and not rest[0].startswith("-"):
         rest = ["--model", rest[0], *rest[1:]]
     extra = {**(user_config or {}), CONFIG_KEY: kw["additional_config"][CONFIG_KEY],
