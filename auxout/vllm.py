@@ -6,8 +6,25 @@ prefill, speculative decoding and preemption. Opt a request out with
 ``SamplingParams(extra_args={"return_routed_experts": False})``. With
 ``engine_kwargs(routing_weights=True)``, ``SamplingParams(extra_args={"return_routing_weights": True})``
 also fills ``CompletionOutput.routing_weights`` (float32, same shape: the top-k combine weights).
+``update_weights(llm, model.named_parameters())`` loads new weights in place (an RL weight sync).
 """
 
-from auxout.integrations.vllm import REQUEST_FLAG, VllmOptions, engine_kwargs
+from auxout.integrations.vllm import (
+    REQUEST_FLAG,
+    VllmOptions,
+    WeightSync,
+    WeightSyncError,
+    engine_kwargs,
+    repair_moe_prepack,
+    update_weights,
+)
 
-__all__ = ["REQUEST_FLAG", "VllmOptions", "engine_kwargs"]
+__all__ = [
+    "REQUEST_FLAG",
+    "VllmOptions",
+    "WeightSync",
+    "WeightSyncError",
+    "engine_kwargs",
+    "repair_moe_prepack",
+    "update_weights",
+]

@@ -6,5 +6,19 @@ Nothing here patches vLLM: ``engine_kwargs()`` names auxout's ``scheduler_cls`` 
 
 from auxout.integrations.vllm.config import engine_kwargs
 from auxout.integrations.vllm.options import REQUEST_FLAG, VllmOptions
+from auxout.integrations.vllm.weight_sync import (
+    WeightSync,
+    WeightSyncError,
+    repair_moe_prepack,
+    update_weights,
+)
 
-__all__ = ["REQUEST_FLAG", "VllmOptions", "engine_kwargs"]
+__all__ = [
+    "REQUEST_FLAG",
+    "VllmOptions",
+    "WeightSync",
+    "WeightSyncError",
+    "engine_kwargs",
+    "repair_moe_prepack",
+    "update_weights",
+]

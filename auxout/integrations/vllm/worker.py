@@ -29,6 +29,12 @@ from auxout.integrations.vllm.capture import RouteCapture, bind_capture
 from auxout.integrations.vllm.config import route_keyspace, weights_digest
 from auxout.integrations.vllm.options import options_from_vllm_config, shares_routes
 from auxout.integrations.vllm.topology import RankRole, current_role, install_pipeline_rows
+from auxout.integrations.vllm.weight_sync import (
+    generation_digest,
+    install_load_digests,
+    install_prepack_repair,
+    load_on_worker,
+)
 from auxout.metadata import StepOutput
 from auxout.stores import make_store
 from auxout.worker_connector import PendingStep, WorkerConnector
@@ -119,6 +125,7 @@ class AuxoutWorkerMixin:
     _auxout_send_ahead = False  # steady decode steps' outputs may be sent before the connector runs
     _auxout_sent_ahead_steps = 0  # steps whose output went out before the connector ran (rank state)
     _auxout_late: tuple[list[str], list[str]] = ((), ())  # type: ignore[assignment]  # store reports for the next output
+    _auxout_loaded: dict[str, bytes]  # digests of the tensors loaded in place, by name
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)  # type: ignore[misc]
@@ -140,6 +147,22 @@ class AuxoutWorkerMixin:
                 capture.rows_bytes if capture is not None and role.ships_rows else None,
             )
         self._auxout_capture = capture
+        # in-place weight updates: the fused-MoE prepack re-run on every reload, and every tensor
+        # loaded in place named in the weights digest of the next generation
+        model = self.model_runner.get_model()
+        install_prepack_repair(model)
+        self._auxout_loaded = {}
+        if shares_routes(options_from_vllm_config(self.vllm_config)):  # (others read its keys)
+            install_load_digests(model, self._auxout_loaded)
+
+    def auxout_update_weights(self, payload: Any) -> dict[str, int]:
+        """Load checkpoint-named tensors in place (``auxout.vllm.update_weights`` calls it)."""
+        self._auxout_settle()
+        return load_on_worker(self, payload)
+
+    def auxout_repair_moe_prepack(self) -> int:
+        """Fused-MoE layers whose reloads re-run the prepack (installed at load time)."""
+        return install_prepack_repair(self.model_runner.get_model())
 
     def initialize_from_config(self, kv_cache_config: Any) -> None:
         super().initialize_from_config(kv_cache_config)  # type: ignore[misc]
@@ -189,7 +212,11 @@ class AuxoutWorkerMixin:
             max_concurrent_batches=2 if sched.async_scheduling else 1,
             keyspace=route_keyspace(self.vllm_config, opts, hash_block),
             # routes others read: a generation after a reset is named by the weights (read then)
-            weights_digest=(lambda: weights_digest(self.model_runner.get_model())) if shares_routes(opts) else None,
+            weights_digest=(
+                (lambda: generation_digest(weights_digest(self.model_runner.get_model()), self._auxout_loaded))
+                if shares_routes(opts)
+                else None
+            ),
         )
         logger.info(
             "auxout: routes %s x %s, hash block %d, store %s with %d bytes",
