@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
+import warnings
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -45,7 +46,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from trl import GRPOConfig, GRPOTrainer
+
+with warnings.catch_warnings():  # TRL 1.16 names vLLM <= 0.31 as supported; this module is tested with 0.32
+    warnings.filterwarnings("ignore", message="TRL currently supports vLLM versions")
+    from trl import GRPOConfig, GRPOTrainer
 
 from auxout.errors import AuxOutError
 from auxout.trainer.hf import SENTINEL, MoELayers, RouteRecorder, moe_layers, replay, route_row_problems
@@ -171,9 +175,11 @@ def stitch_sample(index: int, tokens: np.ndarray, requests: Sequence[_Request], 
             why = "the engine returned no routes for it (a request that opted out, or an engine without auxout)"
         elif rows is None and closest[1] >= 0:
             c, j = closest
-            why = (f"no engine request produced these tokens; the closest (request {j}) differs at position {c} "
-                   f"(engine token {int(requests[j].tokens[c]) if c < len(requests[j].tokens) else None}, "
-                   f"sample token {int(tokens[c]) if c < s else None})")
+            raise RolloutRoutesError(
+                f"sample {index} ({s} tokens): its tokens differ from every engine request's; the closest (request "
+                f"{j}) differs at position {c} (engine token "
+                f"{int(requests[j].tokens[c]) if c < len(requests[j].tokens) else None}, sample token "
+                f"{int(tokens[c]) if c < s else None}): no routes belong to these tokens")
         else:
             why = "no engine request covers it"
         raise RolloutRoutesError(f"sample {index} ({s} tokens): no routes from position {first}: {why}")
