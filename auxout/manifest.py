@@ -15,8 +15,12 @@ object that is not readable yet. Payloads are raw C-order bytes; nothing is ever
 
 from __future__ import annotations
 
+import atexit
+import hashlib
 import json
 import math
+import os
+import threading
 import uuid
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -24,8 +28,21 @@ from typing import Any
 
 import numpy as np
 
-from auxout.credentials import has_credentials, redact
-from auxout.errors import CorruptObjectError, PublicationError
+from auxout.credentials import (
+    PASSWORD_ENV,
+    REDIS_URL_ENV,
+    STORE_URL_ENV,
+    USERNAME_ENV,
+    has_credentials,
+    redact,
+)
+from auxout.errors import (
+    CorruptObjectError,
+    PublicationError,
+    StoreAuthError,
+    StoreClosedError,
+    StoreUnavailableError,
+)
 from auxout.keys import KEY_PREFIX
 from auxout.profile import dtype_name, parse_dtype_name, split_rows
 from auxout.stores.base import BlockStore
@@ -258,6 +275,45 @@ def open_store(
     return store
 
 
+_readers: dict[tuple[Any, ...], BlockStore] = {}
+_readers_lock = threading.Lock()
+
+
+def _reader(address: str, object_nbytes: int, username: str | None, password: str | None) -> tuple[tuple[Any, ...], BlockStore]:
+    """This process's reading client for ``address``, opened on first use and kept.
+
+    Opening costs more than a read: a Mooncake client sets up a transfer engine and registers
+    its buffer (~1 s), a Redis client connects (and authenticates) per call. The key holds the
+    credentials given and those the environment offers (hashed), so a change to either opens a
+    new client; and the process id, so a forked child opens its own."""
+    secrets = (username, password, *(os.environ.get(v) for v in (STORE_URL_ENV, REDIS_URL_ENV, USERNAME_ENV, PASSWORD_ENV)))
+    key = (os.getpid(), address, object_nbytes, hashlib.sha256(repr(secrets).encode()).hexdigest())
+    with _readers_lock:
+        store = _readers.get(key)
+        if store is None:
+            store = _readers[key] = open_store(address, object_nbytes=object_nbytes, username=username, password=password)
+    return key, store
+
+
+def _drop_reader(key: tuple[Any, ...], store: BlockStore) -> None:
+    with _readers_lock:
+        if _readers.get(key) is store:
+            del _readers[key]
+    store.close()
+
+
+def close_readers() -> None:
+    """Close the reading clients :func:`fetch` opened and kept (also done at interpreter exit)."""
+    with _readers_lock:
+        stores = [s for k, s in _readers.items() if k[0] == os.getpid()]
+        _readers.clear()
+    for store in stores:
+        store.close()
+
+
+atexit.register(close_readers)
+
+
 def fetch(
     manifest: RouteManifest,
     store: BlockStore | None = None,
@@ -269,7 +325,9 @@ def fetch(
     """The exact route array ``(num_rows, *shape_per_token)`` a manifest names (read-only view).
 
     Missing (evicted, expired) objects raise ``ObjectMissingError`` naming them; a payload of the
-    wrong length raises ``CorruptObjectError``. Opens (and closes) a client when ``store`` is None,
+    wrong length raises ``CorruptObjectError``. Opens a client when ``store`` is None and keeps it
+    for this process's later fetches from the same store (:func:`close_readers` closes them; one
+    that failed to reach or authenticate is closed at once),
     with ``username``/``password`` when the store needs credentials (else from the environment:
     ``AUXOUT_STORE_URL`` or ``REDIS_URL`` naming the same server, or ``AUXOUT_STORE_PASSWORD``;
     a store that refuses raises ``StoreAuthError`` saying so). The expert ids always;
@@ -293,17 +351,15 @@ def fetch_rows(
     m = manifest
     if m.num_rows == 0:
         return np.empty(m.shape, dtype=m.row_dtype)
-    own = store is None
-    st = (
-        open_store(m.store, object_nbytes=m.object_nbytes, username=username, password=password)
-        if store is None
-        else store
-    )
-    try:
-        raw = st.get_concatenated(list(m.keys))
-    finally:
-        if own:
-            st.close()
+    if store is not None:
+        raw = store.get_concatenated(list(m.keys))
+    else:
+        key, st = _reader(m.store, m.object_nbytes, username, password)
+        try:
+            raw = st.get_concatenated(list(m.keys))
+        except (StoreAuthError, StoreClosedError, StoreUnavailableError):
+            _drop_reader(key, st)  # (the next fetch opens a fresh client)
+            raise
     expected = m.stored_rows * m.row_nbytes
     if len(raw) != expected:
         raise CorruptObjectError(

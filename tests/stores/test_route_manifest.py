@@ -109,6 +109,33 @@ def test_redis_manifest_fetch_opens_store_from_address(redis_srv: RedisServer) -
         np.testing.assert_array_equal(fetch(RouteManifest.from_json(m.to_json())), routes[10:99])
 
 
+def test_fetch_keeps_one_reading_client_per_store(redis_srv: RedisServer) -> None:
+    """fetch(manifest) without a store reuses the client it opened: one connection for many
+    fetches (the server counts them), a new one after close_readers()."""
+    import redis
+
+    from auxout.manifest import close_readers
+
+    routes = _sequence(70, seed=11)
+    probe = redis.Redis.from_url(redis_srv.url)
+    with RedisStore(redis_srv.url, namespace=f"r-{uuid.uuid4().hex[:6]}", object_nbytes=ONB) as store:
+        m = publish_manifest(store, address=store.address, block_keys=_store_full_blocks(store, routes),
+                             tail_rows=routes[64:], token_start=5, token_end=69, block_size=BS, namespace="t")
+        close_readers()
+
+        def opened() -> int:
+            before = probe.info("stats")["total_connections_received"]
+            for _ in range(5):
+                np.testing.assert_array_equal(fetch(m), routes[5:69])
+            return probe.info("stats")["total_connections_received"] - before
+
+        assert opened() == 1
+        assert opened() == 0
+        close_readers()
+        assert opened() == 1
+    probe.close()
+
+
 def test_redis_ttl_expiry_names_keys(redis_srv: RedisServer) -> None:
     routes = _sequence(40, seed=3)
     with RedisStore(redis_srv.url, namespace=f"ttl-{uuid.uuid4().hex[:6]}", object_nbytes=ONB, ttl=0.3) as store:
