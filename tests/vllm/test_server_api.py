@@ -1,24 +1,30 @@
 """``auxout serve`` as an agent loop uses it: chat, streaming, sessions, formats, n/echo/logprobs/stop, keys.
 
-One real server subprocess for the module (Qwen3-MoE tiny model with its tokenizer, Redis store:
-the store comes from a flag, its options from ``AUXOUT_VLLM_OPTIONS`` and the namespace from the
-user's ``--additional-config``; routing weights captured, ``--auxout-routing-weights true``),
-driven by the official ``openai`` client and plain HTTP. Every route array is checked against
-transformers' full forward of the exact tokens the server reports.
+One real server subprocess for the module (Qwen3-MoE tiny model with its tokenizer, a
+password-protected Redis store: the store comes from a flag, its options (a URL with the password)
+from ``AUXOUT_VLLM_OPTIONS`` and the namespace from the user's ``--additional-config``; routing
+weights captured, ``--auxout-routing-weights true``), driven by the official ``openai`` client and
+plain HTTP. Every route array is checked against transformers' full forward of the exact tokens
+the server reports; the password appears in no manifest and no line of the server's log.
 """
 
 from __future__ import annotations
 
 import json
+import uuid
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from routes_oracle import Oracle, random_prompt
 from serve_proc import auxout_server
 
-from auxout.manifest import RouteManifest, fetch
+from auxout.errors import StoreAuthError
+from auxout.manifest import RouteManifest
+from auxout.manifest import fetch as fetch_with
 from auxout.sessions import common_prefix_len
 from auxout.testing.servers import redis_server
 from auxout.wire import FORMATS, decode_routes
@@ -36,9 +42,17 @@ def model_path() -> str:
     return build_tiny_moe("qwen3_moe")
 
 
+SECRET = "r3-s3cret"  # the store's password: no manifest or log line may show it
+
+
+def fetch(manifest: RouteManifest, **kw: Any) -> Any:
+    """``auxout.fetch`` as a trainer calls it: the store's password from the caller."""
+    return fetch_with(manifest, password=SECRET, **kw)
+
+
 @pytest.fixture(scope="module")
 def server(model_path: str, tmp_path_factory: pytest.TempPathFactory):
-    with redis_server() as redis:
+    with redis_server(password=SECRET) as redis:
         log = tmp_path_factory.mktemp("server") / "server.log"
         args = [
             "--dtype", "float32", "--enforce-eager",
@@ -48,12 +62,14 @@ def server(model_path: str, tmp_path_factory: pytest.TempPathFactory):
             "--auxout-routing-weights", "true",
             "--enable-scale-out",  # vLLM's token-in/token-out /inference/v1/generate too
         ]  # fmt: skip
-        options = {"store_options": {"url": redis.url, "namespace": "srv"}}
+        options = {"store_options": {"url": redis.auth_url + "/0", "namespace": "srv"}}
         env = {"AUXOUT_VLLM_OPTIONS": json.dumps(options), "VLLM_SERVER_DEV_MODE": "1"}  # (/pause, /reset_prefix_cache)
         with auxout_server(model_path, args, log, ready_s=480, env=env) as (base, _), httpx.Client(
             base_url=base, timeout=120
         ) as client:
             client.model_path = model_path  # type: ignore[attr-defined]
+            client.log = log  # type: ignore[attr-defined]
+            client.redis_url = redis.url  # type: ignore[attr-defined]
             client.openai = openai.OpenAI(base_url=base + "/v1", api_key="x", timeout=120)  # type: ignore[attr-defined]
             yield client
 
@@ -105,7 +121,7 @@ def stitched(
             if c.get("routed_experts") is None:
                 assert c.get("routing_weights") is None, "weights without their ids"
                 continue
-            start = c["routed_experts_start"]
+            start = c[f"{name}_start"]  # (routing_weights_start: where a session's weights resume)
             if first is None:
                 first = start
             else:
@@ -332,7 +348,10 @@ def test_keys_only_over_http_returns_a_manifest(server, oracle):
     c = r.json()["choices"][0]
     assert c.get("routed_experts") is None
     manifest = RouteManifest.from_dict(c["routed_experts_manifest"])
-    assert manifest.store.startswith("redis://")
+    # the store is named without its password; the trainer brings it (without: a clear error)
+    assert manifest.store == f"{server.redis_url}/0?namespace=srv" and SECRET not in r.text
+    with pytest.raises(StoreAuthError, match="no password was given"):
+        fetch_with(manifest)
     check(oracle, prompt + c["token_ids"], fetch(manifest), 0)
     events = sse(server, "/v1/completions", body(
         server, prompt=prompt, max_tokens=5, vllm_xargs={"routed_experts_output": "keys"}))
@@ -504,6 +523,88 @@ def test_routing_weights_streamed_and_session_deltas(server, oracle):
     check_weights(oracle, second + c2["token_ids"], ids2, w2, c2["routed_experts_start"])
 
 
+def test_a_session_turn_without_weights_leaves_no_gap_in_the_weights(server, oracle):
+    """Weights asked, not asked, asked: the third turn's weights start where the client's end
+    (``routing_weights_start``), before its ids' start, so the client's weights end where its ids do."""
+    rng = np.random.default_rng(93)
+    sid = {"routed_experts_session": f"gap-{uuid.uuid4().hex[:8]}"}
+    tokens: list[int] = []
+    ids = np.zeros((0, 2, 4), np.uint8)
+    weights = np.zeros((0, 2, 4), np.float32)
+    for turn, want in enumerate((True, False, True)):
+        prompt = tokens + random_prompt(rng, 20)
+        extra = WEIGHTS if want else {}
+        c = server.post("/v1/completions", json=body(server, prompt=prompt, max_tokens=4, **sid, **extra)).json()["choices"][0]
+        tokens = prompt + c["token_ids"]
+        start = c["routed_experts_start"]
+        ids = np.concatenate([ids[:start], decode_routes(c)])
+        weights = weights[: min(len(weights), start)]
+        if want:
+            w_start = c["routing_weights_start"]
+            assert w_start == len(weights) and (turn == 0 or w_start < start), (w_start, start, len(weights))
+            weights = np.concatenate([weights[:w_start], decode_routes(c, "routing_weights")])
+        else:
+            assert "routing_weights" not in c and "routing_weights_start" not in c
+    assert len(ids) == len(weights) == len(tokens) - 1
+    check(oracle, tokens, ids, 0)
+    check_weights(oracle, tokens, ids, weights, 0)
+
+
+@st.composite
+def session_turns(draw: st.DrawFn) -> list[tuple[str, int, bool, str, int]]:
+    """(how the prompt continues, new tokens, weights asked, format or "stream", output tokens)."""
+    return [
+        (draw(st.sampled_from(["extend", "extend", "rewrite", "repeat"])), draw(st.integers(1, 12)), draw(st.booleans()),
+         draw(st.sampled_from([*FORMATS, "stream"])), draw(st.integers(1, 4)))
+        for _ in range(draw(st.integers(2, 4)))
+    ]  # fmt: skip
+
+
+@settings(max_examples=6)
+@given(turns=session_turns(), seed=st.integers(0, 2**31 - 1))
+def test_random_session_turns_stitch_to_a_full_forward(server, oracle, turns, seed):
+    """Random turn sequences on one session: weights on or off, every format, streamed or not,
+    histories extended, repeated or rewritten from a random position. The client keeps each
+    array's rows before its start and appends (cutting its weights at ``routed_experts_start``
+    when a response has none); its ids and weights always equal transformers' full forward."""
+    rng = np.random.default_rng(seed)
+    sid = f"prop-{uuid.uuid4().hex[:8]}"
+    tokens: list[int] = []
+    ids = np.zeros((0, 2, 4), np.uint8)
+    weights = np.zeros((0, 2, 4), np.float32)
+    for how, n_new, want, fmt, n_out in turns:
+        if how == "rewrite" and tokens:
+            prompt = tokens[: int(rng.integers(0, len(tokens)))] + random_prompt(rng, n_new)
+        elif how == "repeat" and tokens:
+            prompt = list(tokens)
+        else:
+            prompt = tokens + random_prompt(rng, n_new)
+        payload = body(server, prompt=prompt, max_tokens=n_out, routed_experts_session=sid,
+                       routed_experts_format="npy" if fmt == "stream" else fmt, **(WEIGHTS if want else {}))  # fmt: skip
+        if fmt == "stream":
+            events = sse(server, "/v1/completions", payload)
+            start, new_ids, _, out = stitched(events)
+            new_w = stitched(events, name="routing_weights") if want else None
+            w_start = new_w[0] if new_w is not None else None
+            w_rows = new_w[1] if new_w is not None else None
+        else:
+            c = server.post("/v1/completions", json=payload).json()["choices"][0]
+            start, new_ids, out = c["routed_experts_start"], decode_routes(c), c["token_ids"]
+            w_start, w_rows = c.get("routing_weights_start"), decode_routes(c, "routing_weights")
+            assert (w_rows is not None) == want
+        assert start <= len(ids)
+        ids = np.concatenate([ids[:start], new_ids])
+        weights = weights[: min(len(weights), start)]
+        if want:
+            assert w_start is not None and w_rows is not None and w_start == len(weights) <= start
+            weights = np.concatenate([weights[:w_start], w_rows])
+        tokens = prompt + list(out)
+        assert len(ids) == len(tokens) - 1
+        check(oracle, tokens, ids, 0)
+        if len(weights):
+            check_weights(oracle, tokens[: len(weights) + 1], ids[: len(weights)], weights, 0)
+
+
 @pytest.mark.parametrize("start", [100, 149, 150])
 def test_routing_weights_streamed_from_a_prompt_start_past_the_first_chunks(server, oracle, start):
     """Prefill chunks before the prompt start emit no rows: with weights those empty steps once
@@ -633,3 +734,11 @@ def test_other_entry_points_check_route_fields_too(server, oracle):
     r = server.post("/inference/v1/generate", json={
         "model": server.model_path, "token_ids": prompt, "sampling_params": {"max_tokens": 3, "temperature": 0}})
     assert r.status_code == 200 and r.json()["choices"][0].get("routed_experts") is not None, r.text
+
+
+def test_zz_the_server_log_never_shows_the_store_password(server):
+    """After every test above (keys-only manifests, sessions, weights): vLLM logged its config,
+    auxout's options included, without the password; no line anywhere shows it."""
+    text = server.log.read_text(errors="replace")
+    assert server.redis_url.removeprefix("redis://") in text, "the store options were not logged: nothing was checked"
+    assert SECRET not in text

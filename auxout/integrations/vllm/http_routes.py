@@ -56,13 +56,14 @@ from auxout.integrations.vllm.options import (
 )
 from auxout.integrations.vllm.weights_output import structured
 from auxout.profile import has_weights, join_rows, split_rows
-from auxout.sessions import SessionStore
+from auxout.sessions import ROUTES, SessionStore
 from auxout.wire import DEFAULT_FORMAT, FORMATS, encode
 
 logger = logging.getLogger("auxout.vllm")
 
 WEIGHTS_FIELD = WEIGHTS_FLAG
 START_FIELD = "routed_experts_start"
+WEIGHTS_START_FIELD = "routing_weights_start"
 INLINE_REASON_OUT_FIELD = "routed_experts_inline_reason"
 MANIFEST_OUT_FIELD = "routed_experts_manifest"
 RESET_AT_OUT_FIELD = "routed_experts_reset_at"
@@ -126,8 +127,9 @@ class _FieldError(ValueError):
 class ChoiceRows:
     """Rows of one streamed choice: arrive per engine step, leave as the choice's tokens cover them."""
 
-    def __init__(self, start: int) -> None:
+    def __init__(self, start: int, ids_start: int | None = None) -> None:
         self.start = start
+        self.ids_start = ids_start  # (a session turn whose ids start after its weights: RouteResponder.route_fields)
         self.delivered = 0
         self.tokens = 0  # prompt + output tokens the engine has produced for this choice so far
         self.pending: np.ndarray | None = None
@@ -245,13 +247,19 @@ class RouteResponder:
         fields = (getattr(sampling_params, "extra_args", None) or {}).get(_PARAMS_KEY) or {}
         session = fields.get("session")
         prompt_ids = _prompt_token_ids(prompt)
+        arrays = (WEIGHTS_OUTPUT,) if fields.get("weights") else ()
+        ids_start = None  # (a session turn: the ids' own start, when the weights start earlier)
         if session is not None and prompt_ids is not None:
-            sampling_params.routed_experts_prompt_start = self.sessions.start_for(session, prompt_ids)
+            starts = self.sessions.starts_for(session, prompt_ids, arrays)
+            ids_start = starts[ROUTES]
+            # the engine returns rows from the earliest start any array needs; the ids skip the rest
+            sampling_params.routed_experts_prompt_start = min(starts.values())
         start = int(getattr(sampling_params, "routed_experts_prompt_start", 0) or 0)
         output_ids: list[int] = []
         delivered = False
         async for out in original(engine, prompt, sampling_params, request_id, *args, **kwargs):
             out.auxout_route_start = start
+            out.auxout_ids_start = ids_start
             states = _request_states(engine, request_id)
             for o in out.outputs:
                 state = states.get(o.index)
@@ -266,18 +274,25 @@ class RouteResponder:
                 delivered = delivered or o.routed_experts is not None
                 ok = delivered and o.finish_reason not in (None, "error", "abort")
                 if out.finished and ok and prompt_ids is not None:
-                    self.sessions.delivered(session, [*prompt_ids, *output_ids])
+                    turn_start = start if ids_start is None else ids_start
+                    self.sessions.delivered(session, [*prompt_ids, *output_ids], start=turn_start, arrays=arrays)
             yield out
 
     # -- response side ------------------------------------------------------------------------
-    def route_fields(self, rows: np.ndarray | None, start: int, fmt: str, manifest: Any = None) -> dict[str, Any]:
+    def route_fields(
+        self, rows: np.ndarray | None, start: int, fmt: str, manifest: Any = None, ids_start: int | None = None
+    ) -> dict[str, Any]:
+        """The route fields of ``rows`` (positions from ``start``). ``ids_start``: a session turn
+        whose client holds ids beyond its weights: the ids from there, the weights from ``start``."""
         fields: dict[str, Any] = {}
         if rows is not None:
             ids, weights = split_rows(rows)
-            fields = encode(ids, fmt, num_experts=self.num_experts)
-            fields[START_FIELD] = start
+            first = start if ids_start is None or ids_start <= start else ids_start
+            fields = encode(ids[first - start :], fmt, num_experts=self.num_experts)
+            fields[START_FIELD] = first
             if weights is not None:
                 fields.update(encode(weights, fmt, name=WEIGHTS_OUTPUT))
+                fields[WEIGHTS_START_FIELD] = start
         if manifest is not None:
             fields[MANIFEST_OUT_FIELD] = manifest
             fields.setdefault(START_FIELD, start)  # (every choice states where its routes start)
@@ -297,7 +312,8 @@ class RouteResponder:
             rows, weights = output.routed_experts, getattr(output, WEIGHTS_OUTPUT, None)
             if rows is not None and weights is not None:
                 rows = join_rows(rows, weights)
-            fields = self.route_fields(rows, getattr(res, "auxout_route_start", 0), fmt, manifest)
+            start, ids_start = getattr(res, "auxout_route_start", 0), getattr(res, "auxout_ids_start", None)
+            fields = self.route_fields(rows, start, fmt, manifest, ids_start)
             fields.update(choice_facts(output, res))
             for key, value in fields.items():
                 setattr(choice, key, value)
@@ -352,7 +368,7 @@ class RouteResponder:
                 manifest = tracker.manifest if finished else None
                 if taken is not None or manifest is not None:
                     first, rows = taken if taken is not None else (tracker.start, None)
-                    choice.update(self.route_fields(rows, first, fmt, manifest))
+                    choice.update(self.route_fields(rows, first, fmt, manifest, tracker.ids_start))
                     changed = True
                 if finished and tracker.facts:
                     choice.update(tracker.facts)
@@ -421,7 +437,7 @@ async def _tap(results: AsyncIterator[Any], trackers: dict[int, ChoiceRows], num
             i = output.index + prompt_idx * num_choices
             tracker = trackers.get(i)
             if tracker is None:
-                tracker = trackers[i] = ChoiceRows(start)
+                tracker = trackers[i] = ChoiceRows(start, getattr(res, "auxout_ids_start", None))
                 tracker.tokens = prompt_lens.get(prompt_idx, 0)
             tracker.observe(output, None)
             if output.finish_reason is not None:
