@@ -17,7 +17,8 @@ the array.
 
 Fields written for a payload named ``P`` (``routed_experts`` or ``routing_weights``):
 ``P`` (the base64 text), ``P_format``, ``P_dtype``, ``P_shape`` and, for ``"packed"`` ids,
-``P_bits``.
+``P_bits``. The specification clients decode from (byte and bit order, framing, every field):
+docs/wire.md.
 """
 
 from __future__ import annotations
