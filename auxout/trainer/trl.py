@@ -61,6 +61,7 @@ ROUTES_KEY = "routed_experts"
 """Key of the ``[B, P+C, L, K]`` route tensor in TRL's batch dict (and of per-sample routes a
 ``rollout_func`` may return)."""
 
+_RECORDS = "_auxout_trl_requests"  # the engine's attribute holding the list its requests are recorded in
 _IMAGE_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
                "image_position_ids", "num_tiles")
 
@@ -132,31 +133,28 @@ def check_sample_routes(index: int, tokens: np.ndarray, routes: Any, layers: MoE
 def stitch_sample(index: int, tokens: np.ndarray, requests: Sequence[_Request], hint: int | None = None) -> np.ndarray:
     """Rows ``[S-1, L, K]`` for a sample's tokens from the engine requests that produced them.
 
-    A request fits when its tokens and the sample's agree on their common length (an earlier turn
-    of the sample, the sample itself, or a longer completion TRL truncated). Requests are tried
-    latest first (``hint``, the sample's own request in a single-turn batch, before all); each
-    fills the rows no later one covered. Raises naming the sample and the first uncovered position.
+    Row ``j`` is the routing of token ``j``, which depends on tokens ``0..j`` only: a request
+    supplies the rows it returned up to the first position where its tokens and the sample's
+    differ (an earlier turn of the sample, the sample itself, a longer completion TRL truncated, a
+    request sharing the prompt). Requests are tried latest first (``hint``, the sample's own request
+    in a single-turn batch, before all); each fills the rows no later one covered. Raises
+    :class:`RolloutRoutesError` naming the sample and the first position left without a route.
     """
     s = len(tokens)
-    need = s - 1
+    need = max(s - 1, 0)
     rows: np.ndarray | None = None
-    covered = np.zeros(max(need, 0), dtype=bool)
+    covered = np.zeros(need, dtype=bool)
     order = list(range(len(requests) - 1, -1, -1))
     if hint is not None and 0 <= hint < len(requests):
         order.remove(hint)
         order.insert(0, hint)
-    closest = (-1, -1)  # (common prefix, request)
-    saw_no_routes = False
+    agree = np.zeros(len(requests), dtype=np.int64)  # common prefix length with each request
     for j in order:
         req = requests[j]
-        common = _first_difference(req.tokens, tokens)
-        if common < min(len(req.tokens), s):
-            closest = max(closest, (common, j))
-            continue
+        agree[j] = _first_difference(req.tokens, tokens)
         if req.routes is None:
-            saw_no_routes = True
             continue
-        lo, hi = req.start, min(req.start + len(req.routes), need)
+        lo, hi = req.start, min(req.start + len(req.routes), need, int(agree[j]))
         if hi <= lo:
             continue
         if rows is None:
@@ -169,21 +167,22 @@ def stitch_sample(index: int, tokens: np.ndarray, requests: Sequence[_Request], 
         covered[lo:hi] = True
         if covered.all():
             break
-    if need > 0 and (rows is None or not covered.all()):
-        first = int(np.flatnonzero(~covered)[0]) if covered.size else 0
-        if rows is None and saw_no_routes:
+    if not covered.all():
+        first = int(np.flatnonzero(~covered)[0])
+        reaching = [j for j in range(len(requests)) if agree[j] > first]
+        if reaching and all(requests[j].routes is None for j in reaching):
             why = "the engine returned no routes for it (a request that opted out, or an engine without auxout)"
-        elif rows is None and closest[1] >= 0:
-            c, j = closest
-            raise RolloutRoutesError(
-                f"sample {index} ({s} tokens): its tokens differ from every engine request's; the closest (request "
-                f"{j}) differs at position {c} (engine token "
-                f"{int(requests[j].tokens[c]) if c < len(requests[j].tokens) else None}, sample token "
-                f"{int(tokens[c]) if c < s else None}): no routes belong to these tokens")
+        elif reaching:
+            why = "no engine request returned rows there (a gap between turns' prompt_start)"
+        elif len(requests):
+            j = int(np.argmax(agree))
+            c = int(agree[j])
+            eng = int(requests[j].tokens[c]) if c < len(requests[j].tokens) else None
+            why = (f"its tokens differ from every engine request's from there on; the closest (request {j}) has "
+                   f"token {eng} at position {c}, the sample {int(tokens[c]) if c < s else None}")
         else:
-            why = "no engine request covers it"
+            why = "the engine served no request"
         raise RolloutRoutesError(f"sample {index} ({s} tokens): no routes from position {first}: {why}")
-    assert rows is not None or need <= 0
     return rows if rows is not None else np.zeros((0, 0, 0), dtype=np.int64)
 
 
@@ -301,22 +300,24 @@ class R3GRPOTrainer(GRPOTrainer):
         # full rows (prompt included) for every request, also on an engine whose routes are off by default
         gen.generation_kwargs.setdefault("routed_experts_prompt_start", 0)
         llm = gen.llm
-        inner = llm.__dict__.get("_auxout_generate", llm.generate)  # (an engine reused from another trainer)
-        llm.__dict__["_auxout_generate"] = inner
+        if _RECORDS not in llm.__dict__:  # once per engine (trainers may share one): its requests go to a list
+            inner = llm.generate  # the trainer generating now swaps in (see _generate)
 
-        def generate(*args: Any, **kwargs: Any) -> Any:
-            outputs = inner(*args, **kwargs)
-            for out in outputs:
-                prompt = list(out.prompt_token_ids or [])
-                for c in out.outputs:
-                    tokens = np.asarray(prompt + list(c.token_ids), dtype=np.int64)
-                    r = getattr(c, "routed_experts", None)
-                    routes = None if r is None else np.asarray(r)
-                    start = 0 if routes is None else len(tokens) - 1 - len(routes)
-                    self._r3_requests.append(_Request(tokens, routes, start))
-            return outputs
+            def generate(*args: Any, **kwargs: Any) -> Any:
+                outputs = inner(*args, **kwargs)
+                sink = llm.__dict__[_RECORDS]
+                for out in outputs:
+                    prompt = list(out.prompt_token_ids or [])
+                    for c in out.outputs:
+                        tokens = np.asarray(prompt + list(c.token_ids), dtype=np.int64)
+                        r = getattr(c, "routed_experts", None)
+                        routes = None if r is None else np.asarray(r)
+                        start = 0 if routes is None else len(tokens) - 1 - len(routes)
+                        sink.append(_Request(tokens, routes, start))
+                return outputs
 
-        llm.generate = generate  # type: ignore[method-assign]
+            llm.generate = generate  # type: ignore[method-assign]
+        llm.__dict__[_RECORDS] = self._r3_requests
         gen.sync_weights = self._r3_sync_weights  # type: ignore[method-assign]
 
     def _r3_sync_weights(self) -> None:
@@ -349,6 +350,7 @@ class R3GRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ rollout -> samples
     def _generate(self, prompts: list) -> Any:
         self._r3_requests = []
+        self.vllm_generation.llm.__dict__[_RECORDS] = self._r3_requests
         result = super()._generate(prompts)
         prompt_ids, completion_ids, _tool_mask, _c, _lp, extra_fields, _images, _tool_images = result
         given = extra_fields.pop(ROUTES_KEY, None) if isinstance(extra_fields, dict) else None

@@ -76,8 +76,12 @@ def test_stitch_errors_name_sample_and_position():
         stitch_sample(4, tokens, gap)
     other = tokens.copy()
     other[6] += 1
-    with pytest.raises(RolloutRoutesError, match=r"sample 1 \(12 tokens\): its tokens differ .* position 6"):
+    with pytest.raises(RolloutRoutesError, match=r"sample 1 \(12 tokens\): no routes from position 6: its tokens "
+                       r"differ .*request 0\) has token \d+ at position 6"):
         stitch_sample(1, tokens, [_Request(other, full, 0)])
+    last = tokens.copy()
+    last[11] += 1  # no row depends on the last token: the engine's rows are this sample's
+    np.testing.assert_array_equal(stitch_sample(1, tokens, [_Request(last, full, 0)]), full)
     with pytest.raises(RolloutRoutesError, match=r"sample 0 .*engine returned no routes"):
         stitch_sample(0, tokens, [_Request(tokens, None, 0)])
 
