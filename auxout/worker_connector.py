@@ -25,6 +25,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import repeat
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -35,6 +36,9 @@ from auxout.profile import RouteProfile
 from auxout.staging import StagingPool, staging_pool_blocks
 from auxout.store_rows import StoreRows
 from auxout.stores.base import BlockObjects, BlockStore, StoreObject, object_keys, read_into
+
+if TYPE_CHECKING:  # (auxout.row_check loads numba: only the engines that check rows import it)
+    from auxout.row_check import RowCheck
 
 _I64 = np.int64
 _NO_LIMIT = (1 << 62) - 1
@@ -51,6 +55,7 @@ class PendingStep:
     query_start_loc: np.ndarray
     rows: np.ndarray
     out: StepOutput | None = None  # committed already (a lane step of a ``final`` step)
+    impossible: np.ndarray | None = None  # rows no router can produce (``row_check``): their requests fail
 
 
 # A lane step drains the store's lost keys only every this many steps, or when it publishes
@@ -171,10 +176,14 @@ class WorkerConnector:
         max_concurrent_batches: int = 1,
         keyspace: KeySpace | None = None,
         weights_digest: Callable[[], str] | None = None,
+        row_check: RowCheck | None = None,
     ) -> None:
         """``weights_digest``: where routes are shared with other engines, names each generation
         after a prefix-cache reset by the weights the engine then runs (``KeySpace.weights``;
-        called once per generation, reported to the scheduler with the next output)."""
+        called once per generation, reported to the scheduler with the next output).
+        ``row_check``: checks every step's rows (``auxout.row_check``); a request with a row no
+        router can produce is committed apart: nothing of it is stored or emitted, and it gets
+        an error (the engine recomputes it, and fails it alone if that keeps happening)."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size!r}")
         if max_concurrent_batches <= 0:
@@ -239,6 +248,9 @@ class WorkerConnector:
         # staged blocks copied out for publication: reused once the store dropped its views (a
         # queued batch holds them until the writer applied it)
         self._pub_buffers = _BufferRecycler(profile, keep=8, kind="publish")
+        self._row_check = row_check
+        self._checked: tuple[np.ndarray | None, int, np.ndarray | None] = (None, 0, None)  # (rows, n, result)
+        self.impossible_requests = 0  # request steps refused for impossible rows (a counter for metrics)
 
     # -- per-slot state ---------------------------------------------------------------------
     def _alloc_slots(self, n: int) -> None:
@@ -595,9 +607,14 @@ class WorkerConnector:
         if not rows.flags.c_contiguous:
             rows = np.ascontiguousarray(rows)
         step = PendingStep(self._seq, ids, slots, ts, qsl, rows)
+        if self._row_check is not None and n:
+            step.impossible = self._impossible(rows, int(qsl[-1]))
         self._seq += 1
         lane = self._lane
-        if final and lane is not None and slots is lane.slots and not self._pending_steps and self.max_concurrent_batches == 1:
+        if (
+            final and lane is not None and slots is lane.slots and not self._pending_steps
+            and self.max_concurrent_batches == 1 and step.impossible is None
+        ):  # fmt: skip
             step.out = self._lane_step(step, lane)  # (None: not a lane step; process_output commits it)
             self.lane_prepared += step.out is not None
         self._pending_steps.append(step)
@@ -653,6 +670,8 @@ class WorkerConnector:
 
     # -- the heart of the data plane ----------------------------------------------------------
     def _commit(self, p: PendingStep, rejected: np.ndarray | None) -> StepOutput:
+        if p.impossible is not None:
+            return self._commit_impossible(p, rejected)
         none_rejected = rejected is None or not np.count_nonzero(rejected)
         lane = self._lane
         if lane is not None:
@@ -779,8 +798,44 @@ class WorkerConnector:
         published, lost = self._route_events()
         return StepOutput(list(p.req_ids), emit, lo, hi, rows, errors, published, lost, heads)  # emit: a gathered copy
 
+    def _impossible(self, rows: np.ndarray, n: int) -> np.ndarray | None:
+        """``row_check`` of a step's first ``n`` rows, once per snapshot (a step sent ahead is
+        checked when predicted, and committed with the same array)."""
+        last, last_n, result = self._checked
+        if rows is last and n == last_n:
+            return result
+        assert self._row_check is not None
+        result = self._row_check(rows[:n])
+        self._checked = (rows, n, result)
+        return result
+
+    def _commit_impossible(self, p: PendingStep, rejected: np.ndarray | None) -> StepOutput:
+        """A step whose snapshot holds rows no router can produce: the requests they belong to are
+        committed apart (nothing of theirs stored or emitted, an error each), the rest as usual."""
+        assert p.impossible is not None and self._row_check is not None
+        self._drop_lane()
+        q = p.query_start_loc
+        n = len(p.req_ids)
+        bad_rows = np.flatnonzero(p.impossible[: int(q[n])])
+        owner = np.searchsorted(q[1 : n + 1], bad_rows, side="right")  # request of each bad row
+        broken = np.zeros(n, dtype=bool)
+        broken[owner] = True
+        reasons: dict[int, str] = {}
+        for row, i in zip(bad_rows.tolist(), owner.tolist()):
+            if i not in reasons:
+                position = int(p.token_starts[i]) + row - int(q[i])
+                reasons[i] = (
+                    f"impossible routes at capture (token position {position}): "
+                    f"{self._row_check.reason(p.rows, row)}; not stored, not returned"
+                )
+        self.impossible_requests += len(reasons)
+        p.impossible = None
+        none = np.zeros(n, dtype=_I64) if rejected is None else rejected
+        return self._commit_apart(p, none, broken, broken, p.token_starts, reasons)
+
     def _commit_apart(
-        self, p: PendingStep, rejected: np.ndarray, broken: np.ndarray, fresh: np.ndarray, cur: np.ndarray
+        self, p: PendingStep, rejected: np.ndarray, broken: np.ndarray, fresh: np.ndarray, cur: np.ndarray,
+        reasons: dict[int, str] | None = None,
     ) -> StepOutput:
         """Commit a step without the requests whose rows cannot continue their capture.
 
@@ -795,7 +850,9 @@ class WorkerConnector:
         errors: dict[str, str] = {}
         for i in np.flatnonzero(broken).tolist():
             rid, t, c = p.req_ids[i], int(ts[i]), int(cur[i])
-            if t < c:
+            if reasons is not None:  # (rows no router can produce: ``row_check``)
+                why = reasons[i]
+            elif t < c:
                 why = f"capture moved backwards: step starts at {t}, rows up to {c} were already captured"
             elif fresh[i]:
                 why = f"capture is not contiguous: first rows start at {t}, not a multiple of the hash block size {bs}"
@@ -804,7 +861,7 @@ class WorkerConnector:
             s = int(p.slots[i])
             if self._emit[s] != NO_EMIT:  # reported once per incarnation (later steps in flight stay silent)
                 self._emit[s] = NO_EMIT
-                errors[rid] = f"InvariantError: {why}"
+                errors[rid] = why if reasons is not None else f"InvariantError: {why}"
         keep = np.flatnonzero(~broken)
         n = len(p.req_ids)
         lo = np.full(n, -1, dtype=_I64)
@@ -1022,7 +1079,7 @@ class WorkerConnector:
         the output keeps ``req_ids`` (a list the caller no longer changes).
         """
         lane = self._lane_next(meta, req_ids, token_starts, query_start_loc, rows)
-        if lane is None:
+        if lane is None or (self._row_check is not None and self._impossible(rows, query_start_loc[-1]) is not None):
             return None
         return StepOutput(
             req_ids, lane.ends[lane.j], lane.lo, lane.hi, rows, {}, [], [],
@@ -1044,6 +1101,7 @@ class WorkerConnector:
         lane = self._lane_next(meta, req_ids, token_starts, query_start_loc, rows)
         if (
             lane is None or self._awaiting or not rows.flags.c_contiguous or not self._fits_profile(rows)
+            or (self._row_check is not None and self._impossible(rows, query_start_loc[-1]) is not None)
         ):  # fmt: skip
             return None
         self._step_ready = True  # (begin_step: a steady step of the lane; new hashes are all it may bring)

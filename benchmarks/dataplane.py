@@ -20,6 +20,10 @@ step, plus the final terminal-event delivery and a store flush); building the st
 the engine's own bookkeeping are not. Reported numbers are medians over repeats, and auxout and
 vLLM runs are interleaved so machine noise hits both alike.
 
+auxout's worker connector checks every step's rows for ids no router can produce
+(``auxout.row_check``, as vLLM's worker builds it; the rows fed in are ones a router can produce):
+the check's own time, which is part of auxout's cost, is printed as its share of that cost.
+
 ``--bridge`` adds a row for auxout as its vLLM bridge drives it: a running request's rows are
 held (``HeldRows``) until it finishes, a steady decode step is taken whole (``take_step``), and
 the holding and the join at finish are timed (the other rows hold only the verified requests'
@@ -49,6 +53,7 @@ from auxout.held_rows import HeldRows
 from auxout.keys import KeySpace
 from auxout.metadata import StepOutput
 from auxout.profile import RouteProfile
+from auxout.row_check import RowCheck
 from auxout.scheduler_connector import SchedulerConnector
 from auxout.store_rows import join_rows
 from auxout.stores import ArenaStore, BackgroundStore, make_store
@@ -66,6 +71,7 @@ _I64 = np.int64
 # Targets from the issue (same machine, same run).
 # Issue 9's targets: auxout's connector cost as a fraction of vLLM's in-tree connectors' cost.
 MAX_COST_RATIO = {"decode": 0.25, "prefill": 0.33, "multi-turn": 0.33}
+MAX_CHECK_SHARE = 0.02  # the row check's share of auxout's own connector cost, same run
 
 
 # -- workload description (connector independent) ---------------------------------------------
@@ -200,7 +206,10 @@ def _hashes(rng: np.random.Generator, n: int) -> list[bytes]:
 
 
 def _rows(rng: np.random.Generator, n: int) -> np.ndarray:
-    return rng.integers(0, PROFILE.num_experts, size=(n, *PROFILE.shape_per_token), dtype=np.uint8)
+    """Rows a router can produce (distinct ids per (token, layer)), so the row check passes them."""
+    spread = np.arange(PROFILE.top_k, dtype=np.int64) * (PROFILE.num_experts // PROFILE.top_k)
+    base = rng.integers(0, PROFILE.num_experts, size=(n, PROFILE.num_layers, 1))
+    return ((base + spread) % PROFILE.num_experts).astype(np.uint8)
 
 
 def _mark_verify(specs: list[Spec], n: int) -> None:
@@ -292,6 +301,19 @@ JOIN = [False]
 emit (both drivers). By default only verified requests hold chunks and their join is not timed:
 an engine joins a request's rows once when it hands them over, whichever connector produced them."""
 CLOCK: list[Callable[[], float]] = [time.perf_counter]
+CHECK_SECONDS = [0.0]  # the row check's time within the timed connector calls of the current replay
+
+
+class TimedRowCheck(RowCheck):
+    """``RowCheck`` timing itself (inside the connector's timed calls, so part of its step cost)."""
+
+    def __call__(self, rows: np.ndarray) -> np.ndarray | None:
+        clock = CLOCK[0]
+        t = clock()
+        try:
+            return super().__call__(rows)
+        finally:
+            CHECK_SECONDS[0] += clock() - t
 """What ``replay`` times with; ``--thread-time`` swaps in the step thread's CPU time, for A/B runs of
 two commits on a shared machine (it leaves out the writer thread and time spent waiting)."""
 
@@ -371,6 +393,7 @@ class AuxoutDriver:
         self.worker = WorkerConnector(
             PROFILE, block_size=BLOCK, store=self.store, max_num_seqs=MAX_SEQS,
             max_num_batched_tokens=MAX_BATCHED, keyspace=KeySpace("bench"),
+            row_check=TimedRowCheck(PROFILE),  # (as vLLM's worker builds it; its own time is kept apart)
         )
 
     def step(self, st: Step, rows: np.ndarray, live: dict[str, Req], admitted: list[Req]) -> StepOutput:
@@ -568,6 +591,7 @@ class RunResult:
     seconds: float
     mismatches: list[str] = field(default_factory=list)
     note: str | None = None
+    check_seconds: float = 0.0  # of ``seconds``, the row check's (auxout drivers)
 
 
 def replay(wl: Workload, make: Callable[[], Driver], verify: bool) -> RunResult:
@@ -582,6 +606,7 @@ def replay(wl: Workload, make: Callable[[], Driver], verify: bool) -> RunResult:
         for k, st in enumerate(wl.steps):
             if k == wl.t_start:
                 drv.flush()  # warm-up publications land before the clock starts
+                CHECK_SECONDS[0] = 0.0
             # engine side (untimed): admission and this step's captured rows
             admitted = [reqs[i] for i in st.admit]
             for r in admitted:
@@ -616,7 +641,7 @@ def replay(wl: Workload, make: Callable[[], Driver], verify: bool) -> RunResult:
         gc.enable()
     note = drv.check()
     drv.close()
-    res = RunResult(total, note=note)
+    res = RunResult(total, note=note, check_seconds=CHECK_SECONDS[0])
     if verify:
         for r in reqs:
             if r.chunks is None or r.num_output_tokens == 0:
@@ -635,6 +660,7 @@ class Measured:
     mismatches: list[str]
     verified: int
     notes: list[str]
+    check_times: list[float] = field(default_factory=list)
 
     @property
     def median(self) -> float:
@@ -648,6 +674,7 @@ def measure(wl: Workload, drivers: list[tuple[str, Callable[[], Driver]]], repea
             res = replay(wl, make, verify=rep == 0)
             m = out[name]
             m.times.append(res.seconds)
+            m.check_times.append(res.check_seconds)
             m.mismatches += res.mismatches
             if rep == 0:
                 m.verified = sum(1 for sp in wl.specs if sp.verify)
@@ -678,6 +705,14 @@ def report(wl: Workload, res: dict[str, Measured]) -> list[tuple[str, bool]]:
         status = "OK" if not m.mismatches else f"MISMATCH ({len(m.mismatches)}): {m.mismatches[:3]}"
         print(f"          verified {m.verified} requests bit-for-bit: {status}" + "".join(f"; NOTE {x}" for x in m.notes))
     checks: list[tuple[str, bool]] = [(f"{wl.name}: auxout outputs equal the rows fed in", not a.mismatches)]
+    # the row check (every step's rows, for ids no router can produce), inside auxout's step
+    shares = sorted(c / t for c, t in zip(a.check_times, a.times))
+    share = statistics.median(shares)
+    print(
+        f"  row check     {statistics.median(a.check_times) / n * 1e6:10.1f} us/step: {100 * share:.2f}% of auxout's "
+        f"connector cost (included in it; per repeat {100 * shares[0]:.2f}..{100 * shares[-1]:.2f}%)"
+    )
+    checks.append((f"{wl.name}: row check < {100 * MAX_CHECK_SHARE:.0f}% of the connector's cost", share < MAX_CHECK_SHARE))
     bridge = res.get("auxout-bridge")
     if bridge is not None:
         checks.append((f"{wl.name}: auxout-bridge outputs equal the rows fed in", not bridge.mismatches))

@@ -28,6 +28,7 @@ from auxout.keys import KeySpace
 from auxout.keys_output import KeysPublisher, store_address
 from auxout.manifest import RouteManifest
 from auxout.metadata import StepMetadata, StepOutput
+from auxout.row_check import RowCheck
 from auxout.scheduler_connector import SchedulerConnector
 from auxout.stores import ArenaStore, BackgroundStore, BlockStore
 from auxout.testing.fake_moe import FakeMoE
@@ -257,6 +258,7 @@ class SimEngine:
         fused_steps: bool = True,
         life: str = "",
         weights_digest: Callable[[], str] | None = None,
+        row_check: bool = True,
     ) -> None:
         """``shared_store``: ``store`` is reachable by other engines too (the scheduler may ask it
         for routes this engine did not publish). ``bulk_steps``: take a plain decode step's rows
@@ -266,7 +268,9 @@ class SimEngine:
         offer each step to ``commit_lane_step`` first, as vLLM's worker does (the three calls
         only when it declines). ``life``: this engine's lifetime token (``KeySpace.life``);
         ``weights_digest``: names each generation after a reset by the weights (``KeySpace.weights``),
-        as vLLM's worker does for a shared store (swap ``model`` and reset to update weights)."""
+        as vLLM's worker does for a shared store (swap ``model`` and reset to update weights).
+        ``row_check``: check every step's rows for ids no router can produce, as vLLM's worker
+        does (``auxout.row_check``)."""
         self.model = model
         self.kv_connector = kv_connector
         self.on_finish = on_finish  # called as each request finishes (e.g. fetch its manifest at once)
@@ -308,6 +312,7 @@ class SimEngine:
             max_concurrent_batches=2 if async_scheduling else 1,
             keyspace=keyspace,
             weights_digest=weights_digest,
+            row_check=RowCheck(profile) if row_check else None,
         )
         self.requests: dict[str, _Request] = {}
         self.waiting: deque[_Request] = deque()

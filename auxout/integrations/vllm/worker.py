@@ -36,6 +36,7 @@ from auxout.integrations.vllm.weight_sync import (
     load_on_worker,
 )
 from auxout.metadata import StepOutput
+from auxout.row_check import RowCheck
 from auxout.stores import make_store
 from auxout.worker_connector import PendingStep, WorkerConnector
 
@@ -217,6 +218,7 @@ class AuxoutWorkerMixin:
                 if shares_routes(opts)
                 else None
             ),
+            row_check=RowCheck(profile),  # (a request with rows no router makes is never stored nor returned)
         )
         logger.info(
             "auxout: routes %s x %s, hash block %d, store %s with %d bytes",
@@ -441,6 +443,7 @@ class AuxoutWorkerMixin:
             "async_steps": self._auxout_async_steps,
             "send_ahead": self._auxout_send_ahead,
             "sent_ahead_steps": self._auxout_sent_ahead_steps,
+            "impossible_requests": None if conn is None else conn.impossible_requests,
         }
 
     def shutdown(self) -> None:
