@@ -29,5 +29,6 @@ $PIP install -q -e '.[dev]'
 # NIXL (vLLM's P/D connector; UCX runs on CPU) and vLLM's router. --no-deps: nixl-cu12 would pull a
 # CUDA torch that shadows the CPU one.
 $PIP install -q --no-deps nixl-cu12==1.5.1 nixl==1.5.1 vllm-router==0.1.17
+$PIP install -q orjson  # (vllm-router's one dependency vLLM does not bring)
 $PIP uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 touch "$STAMP"

@@ -460,7 +460,8 @@ class AuxoutScheduler(Scheduler):
             taken = self.auxout.connector.external_hit(request, num_computed_tokens, ext, load_async)
             if taken:
                 return taken, load_async
-            self._auxout_log_recompute(request, num_computed_tokens, num_computed_tokens + ext, "KV connector")
+            end = min(num_computed_tokens + ext, request.num_tokens - 1)  # (the last token computes anyway)
+            self._auxout_log_recompute(request, num_computed_tokens, end, "KV connector")
             return 0, False
 
         connector.get_num_new_matched_tokens = get_num_new_matched_tokens
