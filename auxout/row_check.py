@@ -127,8 +127,14 @@ class RowCheck:
         self._needs_check = self.top_k >= 2 or self.num_experts < over
         self._out = np.zeros(0, dtype=bool)
         self.bad_rows = 0  # token rows found impossible, over the check's life (a counter for metrics)
-        if numba is not None:  # compile now, not in the first step
-            self(profile.empty(0))
+        if numba is not None:  # compile now (or load the cached build), not in the first step
+            sample = profile.empty(1)
+            ids = np.broadcast_to(np.arange(self.top_k, dtype=id_dtype), (1, profile.num_layers, self.top_k))
+            if profile.weights:
+                sample["id"], sample["w"] = ids, 0.0
+            else:
+                sample[:] = ids
+            self(sample)
 
     def __call__(self, rows: np.ndarray) -> np.ndarray | None:
         """None when every row is possible; else a bool mask over the rows (True: impossible)."""
