@@ -28,6 +28,18 @@ try:  # (a dependency of vLLM: present wherever routes are captured; numpy other
     import numba
 except ImportError:  # pragma: no cover - exercised where numba is absent
     numba = None
+else:
+    # vLLM-CPU's kernel registration, at every engine start, calls vars() on every module-level
+    # object (vllm.triton_utils.dispatcher._rebind_kernels); llvmlite's ``ffi.lib`` answers
+    # ``__dict__`` with a wrapped function, so each in-process engine started after numba was
+    # imported failed (AttributeError: '_lib_fn_wrapper' object has no attribute 'get'). An empty
+    # entry under that name (never an llvmlite function) gives vars() a dict.
+    try:
+        from llvmlite.binding import ffi as _llvm_ffi
+
+        _llvm_ffi.lib._fntab["__dict__"] = {}
+    except (ImportError, AttributeError):  # pragma: no cover - another llvmlite layout
+        pass
 
 _H = np.uint64(0x8080808080808080)  # the top bit of each byte lane
 _LOW = np.uint64(0x0101010101010101)  # 1 in each byte lane
