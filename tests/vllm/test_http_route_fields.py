@@ -83,3 +83,38 @@ def test_choice_rows_follow_the_tokens_and_concatenate_exactly():
     got.append(t.take(True))
     assert got[-1][0] == 11
     np.testing.assert_array_equal(np.concatenate([g[1] for g in got]), rows[:10])
+
+
+def test_large_routes_are_encoded_off_the_event_loop():
+    """From OFFLOAD_SLOTS slots on, a response's routes are encoded on a worker thread: the event
+    loop runs other tasks meanwhile (counted by a task that yields in a loop); smaller ones are
+    encoded inline. Either way the fields are those route_fields writes."""
+    import asyncio
+
+    from auxout.integrations.vllm.http_routes import OFFLOAD_SLOTS, RouteResponder
+
+    responder = RouteResponder(VllmOptions())
+    responder.num_experts = 128
+    big = np.random.default_rng(0).integers(0, 128, size=(OFFLOAD_SLOTS // 384 + 1, 48, 8)).astype(np.uint8)
+
+    async def encode_while_ticking(rows):
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(ticker())
+        await asyncio.sleep(0)
+        before = ticks
+        fields = await responder.route_fields_async(rows, 7, "packed")
+        during = ticks - before
+        task.cancel()
+        return fields, during
+
+    for rows, offloaded in ((big, True), (big[:10], False)):
+        fields, during = asyncio.run(encode_while_ticking(rows))
+        assert (during > 0) is offloaded
+        assert fields == responder.route_fields(rows, 7, "packed")
