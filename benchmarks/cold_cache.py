@@ -9,7 +9,7 @@ a 96 MiB array (untimed), then times the call. It compares, warm and cold:
 
 - ``capture``: 16 MoE layers' top-k ids copied into the step buffer one layer at a time inside
   the forward (the copy runs cold at every layer), against keeping each layer's ids tensor and
-  copying all of them at the snapshot (``RouteCapture``'s host path since session 8);
+  copying all of them at the snapshot (``RouteCapture``'s host path);
 - ``decode``: ``WorkerConnector.process_output`` of a 16-request decode step, warm and cold
   (how much of a hook's in-engine time is refetching code and data, not its work).
 

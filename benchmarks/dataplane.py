@@ -68,8 +68,7 @@ STORE_OBJECTS = 16384  # 16384 x 6 KiB = 96 MiB per store (same for both impleme
 TOKEN_NBYTES = PROFILE.token_nbytes
 _I64 = np.int64
 
-# Targets from the issue (same machine, same run).
-# Issue 9's targets: auxout's connector cost as a fraction of vLLM's in-tree connectors' cost.
+# Targets (same machine, same run): auxout's connector cost as a fraction of vLLM's in-tree connectors' cost.
 MAX_COST_RATIO = {"decode": 0.25, "prefill": 0.33, "multi-turn": 0.33}
 MAX_CHECK_SHARE = 0.02  # the row check's share of auxout's own connector cost, same run
 

@@ -3,7 +3,7 @@
 Every engine step sends a ``StepMetadata`` to the worker and gets a ``StepOutput`` back. This
 times pickle dumps + loads of both for a decode step and a prefill step, against a baseline
 measured in the same run: the same fields pickled the plain way (a tuple of numpy arrays, as
-``StepOutput`` pickled itself before session 13). Prints microseconds and the ratio.
+a plain pickling of ``StepOutput``). Prints microseconds and the ratio.
 
     python benchmarks/step_messages.py [--requests 16] [--layers 48] [--top-k 8] [--cold]
 

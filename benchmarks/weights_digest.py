@@ -1,6 +1,6 @@
 """The cost of ``weights_digest`` (once per prefix-cache reset) against the plain sum it replaced.
 
-Since session 25 the digest reads every element where it sits (position-weighted sums of
+The digest reads every element where it sits (position-weighted sums of
 1024-element rows and of columns, ``_bits_digest``) instead of one wrapping sum of the bits,
 which two swapped elements left unchanged. The baseline here is that plain-sum digest, measured
 in the same run on the same tensors (bf16, CPU), alternating, so the ratio is what counts.
@@ -21,7 +21,7 @@ from auxout.integrations.vllm.config import weights_digest
 
 
 def plain_sum_digest(model: torch.nn.Module) -> str:
-    """The digest before session 25: samples plus the wrapping sum of each parameter's bits."""
+    """A plain-sum digest: samples plus the wrapping sum of each parameter's bits."""
     h = hashlib.sha256()
     for name, p in model.named_parameters():
         flat = p.detach().reshape(-1)

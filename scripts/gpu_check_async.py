@@ -76,7 +76,7 @@ def prompts(seed: int, n: int, lo: int, hi: int) -> list[list[int]]:
 
 
 def scenario(llm: Any, oracle: Any) -> dict[str, np.ndarray]:
-    """Every scenario of issue 10 on one engine; returns routes by name for the sync comparison."""
+    """Every async-scheduling scenario on one engine; returns routes by name for the sync comparison."""
     from routes_oracle import greedy
 
     got: dict[str, np.ndarray] = {}
