@@ -36,6 +36,7 @@ from auxout.keys import KeySpace, PackedHashes
 from auxout.keys_output import KeysPublisher
 from auxout.manifest import RouteManifest
 from auxout.metadata import NO_EMIT, StepMetadata, StepOutput
+from auxout.metrics import COUNTS
 from auxout.route_index import ContainsFn, RouteIndex
 from auxout.store_rows import StoreRows, join_rows
 
@@ -592,6 +593,7 @@ class SchedulerConnector:
             spans[:] = merged
         total = sum(b - a for a, b in spans)
         self.recomputed_tokens += total - before
+        COUNTS.add("recomputed_prefix_tokens", total - before)
         return total
 
     def _adopt_weights(self, generation: int, weights: str) -> None:

@@ -29,9 +29,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from auxout.errors import BlockStoreError, InvariantError, StoreCapacityError, StoreUnavailableError
+from auxout.errors import (
+    BlockStoreError,
+    InvariantError,
+    ObjectMissingError,
+    StoreCapacityError,
+    StoreUnavailableError,
+)
 from auxout.keys import ChainKeys, KeySpace, PackedHashes
 from auxout.metadata import NO_EMIT, StepMetadata, StepOutput
+from auxout.metrics import COUNTS, store_backend
 from auxout.profile import RouteProfile
 from auxout.staging import StagingPool, staging_pool_blocks
 from auxout.store_rows import StoreRows
@@ -232,6 +239,7 @@ class WorkerConnector:
         # prefix reads left in an in-process store's arena (None: the store copies them out)
         self._read_rows = getattr(store, "read_rows", None)
         self._drain_lost = getattr(store, "drain_lost", None)
+        self._backend = store_backend(store)  # (the label of this store's counters in auxout.metrics)
         # slots of the last batch seen by begin_step / prepare_output, valid while no slot is
         # made or freed (a decode step repeats its batch: no per-request lookups then)
         self._slot_epoch = 0
@@ -520,6 +528,7 @@ class WorkerConnector:
         except (StoreCapacityError, StoreUnavailableError):
             self.dropped_batches += 1
             self._lost.extend(object_keys(objects))
+            COUNTS.add("store_errors", 1, self._backend, "write")
             return
         if objects:
             self._published.extend(object_keys(objects))
@@ -829,6 +838,7 @@ class WorkerConnector:
                     f"{self._row_check.reason(p.rows, row)}; not stored, not returned"
                 )
         self.impossible_requests += len(reasons)
+        COUNTS.add("invalid_rows_refused", len(reasons))
         p.impossible = None
         none = np.zeros(n, dtype=_I64) if rejected is None else rejected
         return self._commit_apart(p, none, broken, broken, p.token_starts, reasons)
@@ -929,6 +939,8 @@ class WorkerConnector:
                     self._store_read(batch, out)
                     done = [(idx[j], out[a_[j] : b_[j]]) for j in range(n_whole)]
                     first = n_whole
+                if first:
+                    self._count_read(len(batch))
             except BlockStoreError:
                 pass  # (rare) find out which requests failed: read them one by one below
         if first < len(idx):
@@ -937,18 +949,37 @@ class WorkerConnector:
         for j in range(first, len(idx)):
             s = sl[j]
             head = out[a_[j] - base : b_[j] - base]
+            stored_end = min(c[j], min(len(keys[s]), int(self._capture[s]) // bs) * bs)
+            n_read = -(-stored_end // bs) - e[j] // bs if e[j] < stored_end else 0  # (as _read_into reads)
             try:
                 self._read_into(s, e[j], c[j], head)
             except BlockStoreError as exc:
                 errors[req_ids[idx[j]]] = f"{type(exc).__name__}: {exc}"
                 missing = getattr(exc, "keys", None)
+                self._count_read(n_read, exc)
                 self._lost.extend(missing if missing else keys[s][: c[j] // bs])
                 # nothing delivered; the engine restarts this incarnation, whose steps still in
                 # flight must neither emit nor report the failure again
                 self._emit[s] = NO_EMIT
                 continue
+            self._count_read(n_read)
             done.append((idx[j], head))
         return done
+
+    def _count_read(self, n: int, exc: BaseException | None = None) -> None:
+        """Count ``n`` objects read back (``auxout.metrics``): found, missing (``exc`` names the
+        missing keys) or failed (the store could not be read)."""
+        if n <= 0:
+            return
+        COUNTS.add("store_reads", n, self._backend)
+        if exc is None:
+            COUNTS.add("store_hits", n, self._backend)
+        elif isinstance(exc, ObjectMissingError):
+            missing = len(getattr(exc, "keys", None) or ()) or n
+            COUNTS.add("store_misses", min(missing, n), self._backend)
+            COUNTS.add("store_hits", n - min(missing, n), self._backend)
+        else:
+            COUNTS.add("store_errors", 1, self._backend, "read")
 
     def _commit_decode(self, p: PendingStep) -> StepOutput | None:
         """``_commit`` for the common decode step, in a third of the numpy calls; None if not one.

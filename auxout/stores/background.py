@@ -35,6 +35,7 @@ from auxout.errors import (
     StoreClosedError,
     StoreUnavailableError,
 )
+from auxout.metrics import COUNTS, store_backend
 from auxout.store_rows import StoreRows
 from auxout.stores.base import (
     BlockStore,
@@ -214,5 +215,6 @@ class BackgroundStore:
             self.dropped_batches += 1
             self.last_drop = exc
             self._lost.extend(object_keys(objects))
+            COUNTS.add("store_errors", 1, store_backend(self.inner), "write")
         except BaseException as exc:  # noqa: BLE001 - recorded and re-raised on the caller's side
             self._error = exc

@@ -55,3 +55,41 @@ def auxout_server(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@contextmanager
+def auxout_servers(
+    model_path: str, specs: Sequence[tuple[Sequence[str], Path, dict[str, str] | None]], ready_s: float = 600
+) -> Iterator[list[tuple[str, subprocess.Popen]]]:
+    """Several ``auxout serve`` processes started at once (``specs``: args, log, env of each), yielded
+    as ``[(base_url, process), ...]`` once every one answers ``/health``; all stopped on exit."""
+    import threading
+    from contextlib import ExitStack
+
+    results: list[tuple[str, subprocess.Popen] | BaseException | None] = [None] * len(specs)
+    stops = [threading.Event() for _ in specs]
+    ready = [threading.Event() for _ in specs]
+
+    def run(i: int) -> None:
+        args, log, env = specs[i]
+        try:
+            with auxout_server(model_path, args, log, ready_s, env) as started:
+                results[i] = started
+                ready[i].set()
+                stops[i].wait()
+        except BaseException as exc:  # noqa: BLE001 - reported in the caller's thread
+            results[i] = exc
+            ready[i].set()
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(specs))]
+    with ExitStack() as stack:
+        for i, t in enumerate(threads):
+            t.start()
+            stack.callback(t.join, 60)
+            stack.callback(stops[i].set)
+        for event in ready:
+            event.wait()
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            raise failed[0]
+        yield [r for r in results if isinstance(r, tuple)]

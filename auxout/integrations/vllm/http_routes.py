@@ -56,6 +56,7 @@ from auxout.integrations.vllm.options import (
     normalize_flag,
 )
 from auxout.integrations.vllm.weights_output import structured
+from auxout.metrics import COUNTS
 from auxout.profile import has_weights, join_rows, split_rows
 from auxout.sessions import ROUTES, SessionStore
 from auxout.wire import DEFAULT_FORMAT, FORMATS, encode
@@ -281,6 +282,8 @@ class RouteResponder:
                 if out.finished and ok and prompt_ids is not None:
                     turn_start = start if ids_start is None else ids_start
                     self.sessions.delivered(session, [*prompt_ids, *output_ids], start=turn_start, arrays=arrays)
+                    COUNTS.add("session_turns")
+                    COUNTS.add("session_rows_saved", turn_start)
             yield out
 
     # -- response side ------------------------------------------------------------------------
@@ -293,11 +296,16 @@ class RouteResponder:
         if rows is not None:
             ids, weights = split_rows(rows)
             first = start if ids_start is None or ids_start <= start else ids_start
-            fields = encode(ids[first - start :], fmt, num_experts=self.num_experts)
+            sent = ids[first - start :]
+            fields = encode(sent, fmt, num_experts=self.num_experts)
             fields[START_FIELD] = first
+            nbytes = len(fields[ROUTES])
             if weights is not None:
                 fields.update(encode(weights, fmt, name=WEIGHTS_OUTPUT))
                 fields[WEIGHTS_START_FIELD] = start
+                nbytes += len(fields[WEIGHTS_OUTPUT])
+            COUNTS.add("route_rows", len(sent), fmt)
+            COUNTS.add("route_bytes", nbytes, fmt)
         if manifest is not None:
             fields[MANIFEST_OUT_FIELD] = manifest
             fields.setdefault(START_FIELD, start)  # (every choice states where its routes start)
@@ -335,6 +343,7 @@ class RouteResponder:
             start, ids_start = getattr(res, "auxout_route_start", 0), getattr(res, "auxout_ids_start", None)
             fields = self.route_fields(rows, start, fmt, manifest, ids_start)
             fields.update(choice_facts(output, res))
+            count_completion(rows is not None, manifest is not None, fields)
             for key, value in fields.items():
                 setattr(choice, key, value)
         return response
@@ -393,6 +402,8 @@ class RouteResponder:
                 if finished and tracker.facts:
                     choice.update(tracker.facts)
                     changed = True
+                if finished:
+                    count_completion(taken is not None or tracker.delivered > 0, manifest is not None, tracker.facts)
             yield f"data: {json.dumps(data, separators=(',', ':'))}\n\n" if changed else line
 
 
@@ -464,6 +475,16 @@ async def _tap(results: AsyncIterator[Any], trackers: dict[int, ChoiceRows], num
                 tracker.manifest = completion_field(output, res, MANIFEST_FIELD)
                 tracker.facts = choice_facts(output, res)
         yield item
+
+
+def count_completion(rows: bool, manifest: bool, facts: dict[str, Any]) -> None:
+    """Count a finished choice that returned routes (``auxout.metrics``)."""
+    if manifest:
+        COUNTS.add("routed_completions", 1, "keys")
+    elif rows:
+        COUNTS.add("routed_completions", 1, "inline")
+    if facts.get(INLINE_REASON_OUT_FIELD) is not None:
+        COUNTS.add("inline_fallbacks")
 
 
 def choice_facts(output: Any, res: Any) -> dict[str, Any]:

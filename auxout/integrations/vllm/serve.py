@@ -299,6 +299,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     install_context_length_message()
     http_routes.install(ours.options, max_sessions=ours.auxout_max_sessions, max_session_tokens=ours.auxout_max_session_tokens)
     install_startup_checks()
+    from auxout.metrics import serve_metrics
+
+    served = getattr(parsed, "served_model_name", None)
+    serve_metrics(str(served[0] if served else parsed.model))  # (before vLLM starts its engine processes)
     try:
         uvloop.run(run_server(parsed))
     except ServeArgumentError as exc:  # (a configuration refused before any engine started)
