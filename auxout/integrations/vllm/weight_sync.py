@@ -240,6 +240,18 @@ def _engine_parts(llm: Any) -> tuple[Any, Any | None]:
     return engine, worker
 
 
+def _check_auxout_workers(engine: Any, what: str) -> None:
+    """Refuse, saying why, an engine whose workers run in other processes and are not auxout's."""
+    cls = str(getattr(engine.vllm_config.parallel_config, "worker_cls", ""))
+    if not cls.startswith("auxout."):
+        raise RuntimeError(
+            f"{what}: this engine's workers run in other processes and are vLLM's own ({cls}): they have no "
+            "method that loads weights and then repacks vLLM-CPU's fused-MoE experts, and vLLM's RPC carries "
+            "only method names (a function needs VLLM_ALLOW_INSECURE_SERIALIZATION). Build the LLM with "
+            '**auxout.vllm.engine_kwargs(), or in process (distributed_executor_backend="external_launcher")'
+        )
+
+
 def _hf_config(engine: Any) -> Any:
     return engine.model_config.hf_config
 
@@ -406,17 +418,8 @@ def update_weights(
         else:  # a plain vLLM worker
             results = [load_on_worker(worker, payload)]
     else:
-        try:
-            results = llm.collective_rpc(WORKER_METHOD, args=(_encode(tensors),))
-        except Exception as exc:
-            if WORKER_METHOD in str(exc) or isinstance(exc, AttributeError):
-                raise RuntimeError(
-                    "update_weights: this engine's workers run in other processes and are not auxout's "
-                    "(build the LLM with **auxout.vllm.engine_kwargs()), so nothing can load the weights there "
-                    "and repair vLLM-CPU's MoE prepack; or build it in process "
-                    '(distributed_executor_backend="external_launcher")'
-                ) from exc
-            raise
+        _check_auxout_workers(engine, "update_weights")
+        results = llm.collective_rpc(WORKER_METHOD, args=(_encode(tensors),))
     if not llm.reset_prefix_cache():
         raise RuntimeError(
             "update_weights: the weights are loaded but vLLM refused to reset the prefix cache (requests "
@@ -437,15 +440,10 @@ def repair_moe_prepack(llm: Any) -> int:
     it, or by ``model.load_weights`` directly (no weight processing at all), are not repaired:
     reload them after this call.
     """
-    _, worker = _engine_parts(llm)
+    engine, worker = _engine_parts(llm)
     if worker is not None:
         if hasattr(worker, REPAIR_METHOD):
             return int(getattr(worker, REPAIR_METHOD)())
         return install_prepack_repair(worker.model_runner.get_model())
-    try:
-        return int(llm.collective_rpc(REPAIR_METHOD)[0])
-    except Exception as exc:
-        raise RuntimeError(
-            "repair_moe_prepack: this engine's workers run in other processes and are not auxout's; build "
-            "the LLM with **auxout.vllm.engine_kwargs() (its workers repair themselves) or in process"
-        ) from exc
+    _check_auxout_workers(engine, "repair_moe_prepack")
+    return int(llm.collective_rpc(REPAIR_METHOD)[0])
