@@ -25,19 +25,22 @@ Semantics a client relies on:
   restart, simply starts at 0 again (the full history): nothing is ever silently missing;
 - the session advances only when a request finishes with routes (errors, aborts and
   disconnected streams leave it where it was);
-- a session is one sequential conversation: the client holds what every earlier response of
-  it carried, so concurrent requests on one session (branches, a retry racing the first try)
-  may be answered from rows only the other response carried: branches need their own ids;
-- sessions belong to one API-server process: with several (``--api-server-count``), send a
-  session's turns to the same one, or use ``routed_experts_prompt_start``.
+- a session is one sequential conversation: a turn claims its session (``begin``) until it
+  finishes (``delivered``) or fails (``release``); another turn of the same session meanwhile
+  is refused with :class:`SessionBusyError` (HTTP 409), since it could only be answered from
+  rows the first response has not delivered yet. Branches need their own ids;
+- this store lives in one API-server process; :class:`auxout.redis_sessions.RedisSessionStore`
+  has the same interface over a Redis every replica shares (any replica serves any turn).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -50,6 +53,60 @@ def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
     diff = np.flatnonzero(a[:n] != b[:n])
     return int(diff[0]) if diff.size else n
+
+
+DEFAULT_TURN_LEASE = 3600.0
+"""Seconds a turn may hold its session: a turn never finished (its server died mid-turn) stops
+blocking the session after this long."""
+
+
+class SessionBusyError(RuntimeError):
+    """Another turn of this session is in flight (HTTP 409): turns of one session go one after another."""
+
+    def __init__(self, session: str, retry_after: float | None = None) -> None:
+        self.session = session
+        self.retry_after = retry_after
+        left = "" if retry_after is None else f" (its claim lapses within {max(retry_after, 0.0):.0f} s)"
+        super().__init__(
+            f"routed_experts_session {session!r:.80} has another turn in flight{left}: a session is one sequential "
+            "conversation, so send its next turn after the previous response arrived (branches and retries "
+            "racing the first try need their own session id, or routed_experts_prompt_start)"
+        )
+
+
+class RouteSessions(Protocol):
+    """What the server needs of a session store (in memory: ``SessionStore``; shared by replicas:
+    ``auxout.redis_sessions.RedisSessionStore``)."""
+
+    def starts_for(self, session: str, prompt: Sequence[int], arrays: Collection[str] = ()) -> dict[str, int]: ...
+
+    def begin(self, session: str, prompt: Sequence[int], arrays: Collection[str] = (), *, turn: str) -> dict[str, int]: ...
+
+    def delivered(self, session: str, tokens: Sequence[int], *, start: int = 0, arrays: Collection[str] = (),
+                  turn: str | None = None) -> None: ...  # fmt: skip
+
+    def release(self, session: str, turn: str) -> None: ...
+
+    def forget(self, session: str) -> None: ...
+
+
+def starts_from(delivered: np.ndarray, rows: Mapping[str, int], prompt: Sequence[int],
+                arrays: Collection[str]) -> dict[str, int]:  # fmt: skip
+    """Per array, the first row a client holding ``delivered`` (and ``rows`` of other arrays) lacks
+    for ``prompt``: the ids where the history differs or the delivered rows end; another array's
+    never later, and earlier where the client's rows of it end."""
+    rows_delivered = max(len(delivered) - 1, 0)
+    start = min(common_prefix_len(delivered, np.asarray(prompt, dtype=np.int64)), rows_delivered)
+    return {ROUTES: start, **{name: min(start, rows.get(name, 0)) for name in arrays}}
+
+
+def rows_after(old: Mapping[str, int] | None, n_tokens: int, start: int, arrays: Collection[str]) -> dict[str, int]:
+    """Rows of each array other than the ids a client holds after a turn of ``n_tokens`` tokens
+    sent from ``start`` with ``arrays``: those arrays to the end, every other cut at ``start``."""
+    kept = {name: min(n, start) for name, n in (old or {}).items()}
+    kept.update(dict.fromkeys(arrays, max(n_tokens - 1, 0)))
+    kept.pop(ROUTES, None)
+    return kept
 
 
 @dataclass
@@ -72,6 +129,8 @@ class SessionStore:
         self._tokens: OrderedDict[str, _Held] = OrderedDict()
         self._total = 0
         self._lock = threading.Lock()
+        self._turns: dict[str, tuple[str, float]] = {}  # session -> (turn in flight, its lease deadline)
+        self.turn_lease = DEFAULT_TURN_LEASE
 
     def __len__(self) -> int:
         return len(self._tokens)
@@ -93,30 +152,46 @@ class SessionStore:
             if held is None:
                 return {ROUTES: 0, **dict.fromkeys(arrays, 0)}
             self._tokens.move_to_end(session)
-        delivered = held.tokens
-        rows_delivered = max(len(delivered) - 1, 0)
-        start = min(common_prefix_len(delivered, np.asarray(prompt, dtype=np.int64)), rows_delivered)
-        return {ROUTES: start, **{name: min(start, held.rows.get(name, 0)) for name in arrays}}
+        return starts_from(held.tokens, held.rows, prompt, arrays)
+
+    def begin(self, session: str, prompt: Sequence[int], arrays: Collection[str] = (), *, turn: str) -> dict[str, int]:
+        """``starts_for``, claiming the session for ``turn`` until ``delivered`` or ``release``;
+        ``SessionBusyError`` while another turn holds it (for at most ``turn_lease`` seconds)."""
+        now = time.monotonic()
+        with self._lock:
+            held = self._turns.get(session)
+            if held is not None and held[0] != turn and held[1] > now:
+                raise SessionBusyError(session, held[1] - now)
+            self._turns[session] = (turn, now + self.turn_lease)
+        return self.starts_for(session, prompt, arrays)
+
+    def release(self, session: str, turn: str) -> None:
+        """End ``turn``'s claim without advancing the session (the turn failed or was aborted)."""
+        with self._lock:
+            if self._turns.get(session, ("",))[0] == turn:
+                del self._turns[session]
 
     def delivered(
-        self, session: str, tokens: Sequence[int], *, start: int = 0, arrays: Collection[str] = ()
-    ) -> None:
+        self, session: str, tokens: Sequence[int], *, start: int = 0, arrays: Collection[str] = (),
+        turn: str | None = None,
+    ) -> None:  # fmt: skip
         """Record a finished turn: the client now holds the ids of ``tokens[:-1]`` (prompt + output),
         sent from ``start`` (the turn's ``routed_experts_start``), and the rows of each of ``arrays``
-        as far; every other array it held keeps at most ``start`` rows (the client cuts there)."""
+        as far; every other array it held keeps at most ``start`` rows (the client cuts there).
+        ``turn``: the claim ``begin`` made, ended here."""
         arr = np.asarray(tokens, dtype=np.int64)
-        if len(arr) > self.max_tokens:  # cannot keep it: forget, so the next turn starts at 0
-            self.forget(session)
-            return
-        rows = max(len(arr) - 1, 0)
-        with self._lock:
+        with self._lock:  # (state and claim change together: the next turn sees this one's state)
+            if turn is not None:
+                holder = self._turns.get(session)
+                if holder is not None and holder[0] != turn:  # (its lease ran out; a later turn took over)
+                    return
+                self._turns.pop(session, None)
             old = self._tokens.pop(session, None)
-            kept: dict[str, int] = {}
             if old is not None:
                 self._total -= len(old.tokens)
-                kept = {name: min(n, start) for name, n in old.rows.items()}
-            kept.update(dict.fromkeys(arrays, rows))
-            kept.pop(ROUTES, None)
+            if len(arr) > self.max_tokens:  # cannot keep it: forgotten, so the next turn starts at 0
+                return
+            kept = rows_after(None if old is None else old.rows, len(arr), start, arrays)
             self._tokens[session] = _Held(arr, kept)
             self._total += len(arr)
             while len(self._tokens) > self.max_sessions or self._total > self.max_tokens:

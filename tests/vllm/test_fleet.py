@@ -1,4 +1,5 @@
-"""A fleet: two ``auxout serve`` replicas sharing one real Redis (routes), scraped on ``/metrics``.
+"""A fleet: two ``auxout serve`` replicas sharing one real Redis (routes and route sessions) behind
+vLLM's router (``vllm-router --policy round_robin``), scraped on ``/metrics``.
 
 One pair of real server subprocesses for the module (Qwen3-MoE tiny model with its tokenizer).
 Every route array is checked against transformers' full forward of the exact tokens the server
@@ -8,6 +9,9 @@ reports; every counter is checked against what the responses carried.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -16,6 +20,7 @@ import pytest
 from routes_oracle import Oracle, random_prompt
 from serve_proc import auxout_servers
 
+from auxout.sessions import common_prefix_len
 from auxout.testing.servers import redis_server
 from auxout.wire import decode_routes
 
@@ -48,11 +53,46 @@ def fleet(model_path: str, tmp_path_factory: pytest.TempPathFactory):
             "--dtype", "float32", "--enforce-eager", "--block-size", "32", "--max-model-len", "512",
             "--max-num-batched-tokens", "128", "--seed", "0", "--served-model-name", MODEL,
             "--auxout-store", "redis", "--auxout-store-options", json.dumps(store), "--auxout-namespace", "fleet",
+            "--auxout-session-store", "redis",
         ]  # fmt: skip
         specs = [(args, logs / f"replica{i}.log", {"VLLM_CPU_OMP_THREADS_BIND": str(i)}) for i in range(2)]
         with auxout_servers(model_path, specs) as started:
             (a, _), (b, _) = started
-            yield SimpleNamespace(a=a, b=b, redis=redis, logs=logs)
+            with router([a, b], "round_robin", logs / "router.log") as url:
+                yield SimpleNamespace(a=a, b=b, router=url, redis=redis, logs=logs)
+
+
+@contextmanager
+def router(workers: list[str], policy: str, log: Path) -> Iterator[str]:
+    """``vllm-router`` in front of ``workers``; yields its URL once it answers."""
+    import shutil
+    import subprocess
+    import sys
+    import time
+
+    from serve_proc import free_port
+
+    binary = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
+    port = free_port()
+    cmd = [binary, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers, "--policy", policy,
+           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]  # (its own metrics port each)
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 def check(oracle: Oracle, tokens: list[int], rows: np.ndarray, start: int) -> None:
@@ -162,3 +202,130 @@ def test_metrics_count_what_the_responses_carried(fleet, oracle):
     after_b = scrape(fleet.b)
     assert all(after_b[k] == v for k, v in before_b.items() if k[0].startswith("vllm:auxout_"))
     assert ("vllm:num_requests_running", frozenset({"model_name": MODEL, "engine": "0"}.items())) in after  # vLLM's own
+
+
+def chat(base: str, messages: list[dict[str, str]], session: str, headers: dict[str, str] | None = None,
+         **kw: Any) -> httpx.Response:  # fmt: skip
+    body = {"model": MODEL, "messages": messages, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "routed_experts_session": session, **kw}  # fmt: skip
+    return post(base, "/v1/chat/completions", body, headers)
+
+
+def served_by(before: tuple[dict, dict], after: tuple[dict, dict]) -> list[int]:
+    """Which replicas recorded a session turn between two scrapes of (a, b)."""
+    return [i for i in (0, 1) if counter(after[i], "session_turns") > counter(before[i], "session_turns")]
+
+
+class Client:
+    """An agent loop's side of one session: the rows it holds and the tokens they are of."""
+
+    def __init__(self, oracle: Oracle) -> None:
+        self.oracle = oracle
+        self.held = np.zeros((0, 2, 4), np.uint8)
+        self.tokens: list[int] = []
+
+    def take(self, response: httpx.Response) -> int:
+        """Stitch a response's rows (keep ``[0, start)``, append); returns its start. The rows must
+        start where the client's rows stop being valid for the new prompt, and the stitched rows
+        must equal the full forward of the whole conversation."""
+        assert response.status_code == 200, response.text
+        data = response.json()
+        choice = data["choices"][0]
+        prompt = list(data["prompt_token_ids"])
+        start = choice["routed_experts_start"]
+        expected = min(common_prefix_len(np.array(self.tokens), np.array(prompt)), len(self.held))
+        assert start == expected, (start, expected)
+        self.tokens = prompt + list(choice["token_ids"])
+        self.held = np.concatenate([self.held[:start], decode_routes(choice)])
+        check(self.oracle, self.tokens, self.held, 0)
+        return int(start)
+
+
+def test_a_chat_alternating_replicas_gets_exact_deltas(fleet, oracle):
+    """Through vLLM's router (round robin): every turn lands on the other replica, yet each sends only
+    the rows the client lacks, and the stitched rows equal the full forward; an earlier turn
+    rewritten (a re-rendered history) restarts at the first differing token, on whichever replica."""
+    client = Client(oracle)
+    messages = [{"role": "user", "content": "Plan a three-day trip to the coast."}]
+    replicas: list[int] = []
+    for turn in range(3):
+        before = (scrape(fleet.a), scrape(fleet.b))
+        r = chat(fleet.router, messages, "trip", headers={"X-Session-Id": "trip"})
+        replicas += served_by(before, (scrape(fleet.a), scrape(fleet.b)))
+        start = client.take(r)
+        if turn:
+            assert start > 0, "a turn on the other replica must not start over"
+        assert r.headers.get("x-session-id") == "trip"  # (echoed through the router)
+        messages += [{"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": f"And on day {turn + 2}?"}]  # fmt: skip
+    assert len(replicas) == 3 and replicas[0] != replicas[1] != replicas[2], replicas
+    held = len(client.held)
+    messages[0]["content"] = "Plan a three-day trip to the mountains."  # the history changes early on
+    start = client.take(chat(fleet.router, messages, "trip"))
+    assert 0 < start < held // 2
+
+
+def test_a_concurrent_turn_of_one_session_gets_409(fleet, oracle):
+    """While one replica streams a session's turn, the same session's next turn on the other replica
+    is refused with 409 saying why; once the first finished, that turn continues from its rows."""
+    client = Client(oracle)
+    messages = [{"role": "user", "content": "Write a long story about a lighthouse."}]
+    client.take(chat(fleet.a, messages, "story"))
+    first = chat(fleet.b, messages, "story")
+    assert first.status_code == 200  # (a repeated prompt: nothing new, a start at the rows held)
+    client.take(first)
+    messages += [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+                 {"role": "user", "content": "Go on."}]  # fmt: skip
+    body = {"model": MODEL, "messages": messages, "max_tokens": 48, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "routed_experts_session": "story", "stream": True}  # fmt: skip
+    events: list[dict[str, Any]] = []
+    with httpx.stream("POST", fleet.a + "/v1/chat/completions", json=body, timeout=300) as stream:
+        lines = stream.iter_lines()
+        for line in lines:  # the first chunk: the turn holds its session now
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+                break
+        busy = chat(fleet.b, messages, "story")
+        assert busy.status_code == 409, busy.text
+        assert "has another turn in flight" in busy.json()["error"]["message"]
+        for line in lines:
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+    rows = [decode_routes(c) for e in events for c in e["choices"] if c.get("routed_experts") is not None]
+    starts = [c["routed_experts_start"] for e in events for c in e["choices"] if c.get("routed_experts") is not None]
+    prompt = next(e["prompt_token_ids"] for e in events if e.get("prompt_token_ids"))
+    output = [t for e in events for c in e["choices"] for t in c.get("token_ids") or []]
+    assert starts[0] == min(common_prefix_len(np.array(client.tokens), np.array(prompt)), len(client.held))
+    client.held = np.concatenate([client.held[: starts[0]], *rows])
+    client.tokens = prompt + output
+    check(oracle, client.tokens, client.held, 0)
+    # the streamed turn is over and recorded: the same prompt on the other replica starts after it
+    # (unrecorded, the session would hold only the first turn, which ends before this prompt does)
+    after = chat(fleet.b, messages, "story")
+    assert after.json()["choices"][0]["routed_experts_start"] == len(prompt)
+    client.take(after)
+
+
+def test_header_policies(fleet, tmp_path):
+    """``consistent_hash`` pins a session to one replica by its ``X-Session-Id`` header; a header that
+    names another session than the body is refused (400) before any routing; the header alone asks
+    for no session (full rows)."""
+    with router([fleet.a, fleet.b], "consistent_hash", tmp_path / "router.log") as url:
+        rng = np.random.default_rng(7)
+        prompt = random_prompt(rng, 20)
+        before = (scrape(fleet.a), scrape(fleet.b))
+        for i in range(4):
+            completion_headers = {"X-Session-Id": "pinned"}
+            body = {"model": MODEL, "prompt": prompt + [i], "max_tokens": 2, "temperature": 0,
+                    "return_token_ids": True, "routed_experts_session": "pinned"}  # fmt: skip
+            r = post(url, "/v1/completions", body, completion_headers)
+            assert r.status_code == 200, r.text
+        after = (scrape(fleet.a), scrape(fleet.b))
+        turns = [counter(after[i], "session_turns") - counter(before[i], "session_turns") for i in (0, 1)]
+        assert sorted(turns) == [0, 4], turns
+        wrong = post(url, "/v1/completions", {**body, "routed_experts_session": "other"}, {"X-Session-Id": "pinned"})
+        assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "routed_experts_session", wrong.text
+        plain = post(url, "/v1/completions", {k: v for k, v in body.items() if k != "routed_experts_session"},
+                     {"X-Session-Id": "pinned"})  # fmt: skip
+        assert plain.status_code == 200 and plain.json()["choices"][0]["routed_experts_start"] == 0
+        assert plain.headers.get("x-session-id") == "pinned"

@@ -69,12 +69,35 @@ def test_user_additional_config_and_env_are_honoured():
           '{"url": "redis://h", "namespace": "n", "timeout": -1}'], None, "'timeout' must be positive finite seconds, got -1"),
         (["/m", "--auxout-store", "redis", "--auxout-store-options",
           '{"url": "redis://h", "namespace": "n", "retry_after": "3"}'], None, "'retry_after' must be non-negative"),
+        # the route session store
+        (["/m", "--auxout-session-store", "redis"], None, "the route store is 'arena': use --auxout-store redis"),
+        (["/m", "--auxout-session-store", "http://h"], None, "must be memory, redis or a redis://"),
+        (["/m", "--auxout-session-ttl", "60"], None, "--auxout-session-ttl applies to a shared session store"),
+        (["/m", "--auxout-session-store", "redis://h", "--auxout-session-lease", "0"], None, "positive number"),
     ],
 )
 def test_bad_options_fail_at_parse_time_naming_the_option(argv, env, needle):
     with pytest.raises(ServeArgumentError) as ei:
         vllm_argv(argv, env=env)
     assert needle in str(ei.value)
+
+
+def test_session_store_flags_pick_the_store():
+    from auxout.integrations.vllm.serve import _split, session_store
+    from auxout.redis_sessions import RedisSessionStore
+    from auxout.sessions import SessionStore
+
+    _, ours = _split(["/m", "--auxout-max-sessions", "7"], None)
+    memory = session_store(ours, "tiny")
+    assert isinstance(memory, SessionStore) and memory.max_sessions == 7
+    store = ["--auxout-store", "redis", "--auxout-store-options", json.dumps(REDIS), "--auxout-namespace", "fl"]
+    _, ours = _split(["/m", *store, "--auxout-session-store", "redis", "--auxout-session-ttl", "60",
+                      "--auxout-session-lease", "5"], None)  # fmt: skip
+    shared = session_store(ours, "tiny")  # (no connection made yet)
+    assert isinstance(shared, RedisSessionStore) and shared.ttl == 60 and shared.turn_lease == 5
+    assert shared.url == REDIS["url"] and shared._prefix == "auxout:sessions:{fl}:tiny:"
+    _, ours = _split(["/m", "--auxout-session-store", "redis://127.0.0.1:2/3"], None)
+    assert session_store(ours, "m").url == "redis://127.0.0.1:2/3"
 
 
 def test_main_reports_option_errors_without_starting(capsys, monkeypatch):

@@ -291,11 +291,16 @@ class RouteFieldsCheck:
             else tokens_api_problem(parsed) if path in _TOKENS_PATHS
             else body_problem(parsed)
         )  # fmt: skip
+        if problem is None:
+            problem = session_header_problem(parsed, scope)
         if problem is not None:
             field, text = problem
             await _respond(send, 400, error_body(text, field))
             return
         replay = iter(messages)
+        echo = session_echo(parsed, scope)
+        if echo is not None:
+            send = _with_header(send, SESSION_HEADER, echo)
 
         async def replayed() -> Message:
             try:
@@ -304,6 +309,56 @@ class RouteFieldsCheck:
                 return await receive()
 
         await self.app(scope, replayed, send)
+
+
+SESSION_HEADER = b"x-session-id"
+"""The header routers pin a conversation's requests by (vLLM's router ``--policy consistent_hash``)."""
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers") or ():
+        if key.lower() == name:
+            return bytes(value).decode("latin-1")
+    return None
+
+
+def session_header_problem(body: object, scope: Scope) -> tuple[str, str] | None:
+    """A request naming its route session in the body and a different one in ``X-Session-Id``: a
+    router would pin it by one id while the rows follow the other (400). The header alone names
+    no route session: it may be there only for the router, and a session changes which rows come
+    back, so only the body field asks for one."""
+    header = _header(scope, SESSION_HEADER)
+    session = body.get(SESSION_FIELD) if isinstance(body, dict) else None
+    if header is None or not isinstance(session, str) or header == session:
+        return None
+    return SESSION_FIELD, (
+        f"{SESSION_FIELD} is {session!r:.80} but the X-Session-Id header is {header!r:.80}: a router pins requests "
+        "by the header and the routes follow the field, so send the same id in both (or leave the header out)"
+    )
+
+
+def session_echo(body: object, scope: Scope) -> str | None:
+    """The session id a response echoes in ``X-Session-Id``: the request's header, else its route session."""
+    header = _header(scope, SESSION_HEADER)
+    if header is not None:
+        return header
+    session = body.get(SESSION_FIELD) if isinstance(body, dict) else None
+    return session if isinstance(session, str) and session.isprintable() else None
+
+
+def _with_header(send: Send, name: bytes, value: str) -> Send:
+    """``send`` adding one response header (streamed responses too: their start message carries it)."""
+    try:
+        encoded = value.encode("latin-1")
+    except UnicodeEncodeError:  # (an id HTTP headers cannot carry: not echoed)
+        return send
+
+    async def sending(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), (name, encoded)]}
+        await send(message)
+
+    return sending
 
 
 def _skips_tokenizer(scope: Scope) -> bool:

@@ -29,7 +29,7 @@ import asyncio
 import functools
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 import numpy as np
@@ -58,7 +58,8 @@ from auxout.integrations.vllm.options import (
 from auxout.integrations.vllm.weights_output import structured
 from auxout.metrics import COUNTS
 from auxout.profile import has_weights, join_rows, split_rows
-from auxout.sessions import ROUTES, SessionStore
+from auxout.redis_sessions import SessionStoreError
+from auxout.sessions import ROUTES, RouteSessions, SessionBusyError, SessionStore
 from auxout.wire import DEFAULT_FORMAT, FORMATS, encode
 
 logger = logging.getLogger("auxout.vllm")
@@ -188,9 +189,11 @@ class ChoiceRows:
 class RouteResponder:
     """Server-wide state and hooks (one per API-server process)."""
 
-    def __init__(self, options: VllmOptions, *, max_sessions: int = 4096, max_session_tokens: int = 1 << 26) -> None:
+    def __init__(self, options: VllmOptions, *, max_sessions: int = 4096, max_session_tokens: int = 1 << 26,
+                 sessions: RouteSessions | None = None) -> None:  # fmt: skip
         self.options = options
-        self.sessions = SessionStore(max_sessions, max_session_tokens)
+        # (in memory by default; auxout.redis_sessions.RedisSessionStore shares sessions across replicas)
+        self.sessions: RouteSessions = sessions if sessions is not None else SessionStore(max_sessions, max_session_tokens)
         self.num_experts: int | None = None
 
     # -- request side -------------------------------------------------------------------------
@@ -255,12 +258,64 @@ class RouteResponder:
         prompt_ids = _prompt_token_ids(prompt)
         arrays = (WEIGHTS_OUTPUT,) if fields.get("weights") else ()
         ids_start = None  # (a session turn: the ids' own start, when the weights start earlier)
+        turn = None  # (the session claim this request holds: request_id, until recorded or released)
         if session is not None and prompt_ids is not None:
-            starts = self.sessions.starts_for(session, prompt_ids, arrays)
+            starts, turn = await self._begin_turn(session, prompt_ids, arrays, request_id)
             ids_start = starts[ROUTES]
             # the engine returns rows from the earliest start any array needs; the ids skip the rest
             sampling_params.routed_experts_prompt_start = min(starts.values())
         start = int(getattr(sampling_params, "routed_experts_prompt_start", 0) or 0)
+        outputs = self._generate_turn(engine, original, prompt, sampling_params, request_id, args, kwargs,
+                                      session, turn, prompt_ids, arrays, start, ids_start)  # fmt: skip
+        try:
+            async for out in outputs:
+                if turn is not None and getattr(out, "auxout_turn_recorded", False):
+                    turn = None
+                yield out
+        finally:
+            await outputs.aclose()  # (a client gone: vLLM's generator aborts the request on close)
+            if turn is not None:  # (failed, aborted or disconnected: the session stays where it was)
+                await self._session_call("release", self.sessions.release, session, turn)
+
+    async def _begin_turn(self, session: str, prompt_ids: list[int], arrays: tuple[str, ...],
+                          turn: str) -> tuple[dict[str, int], str | None]:  # fmt: skip
+        """Claim ``session`` for this turn: its starts per array, and the claim (None when the
+        session store cannot be reached: the turn then starts at 0, the whole history, and is
+        not recorded). Another turn of the session in flight: HTTP 409."""
+        from http import HTTPStatus
+
+        from vllm.exceptions import GracefulHTTPError
+
+        try:
+            if getattr(self.sessions, "remote", False):
+                starts = await asyncio.to_thread(self.sessions.begin, session, prompt_ids, arrays, turn=turn)
+            else:
+                starts = self.sessions.begin(session, prompt_ids, arrays, turn=turn)
+        except SessionBusyError as exc:
+            COUNTS.add("session_conflicts")
+            raise GracefulHTTPError(str(exc), HTTPStatus.CONFLICT) from None
+        except SessionStoreError as exc:
+            logger.warning("auxout: %s; this turn of routed_experts_session %r sends the whole history", exc, session)
+            return {ROUTES: 0, **dict.fromkeys(arrays, 0)}, None
+        return starts, turn
+
+    async def _session_call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:
+        """A session store call after the turn ran; a store that cannot be reached is logged (the
+        session then stays where it was: the next turn starts earlier, never past the client's rows)."""
+        try:
+            if getattr(self.sessions, "remote", False):
+                await asyncio.to_thread(fn, *args, **kwargs)
+            else:
+                fn(*args, **kwargs)
+        except SessionStoreError as exc:
+            logger.warning("auxout: %s (session turn not %s)", exc, "recorded" if what == "record" else "released")
+            return False
+        return True
+
+    async def _generate_turn(self, engine: Any, original: Callable[..., AsyncIterator[Any]], prompt: Any,
+                             sampling_params: Any, request_id: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                             session: str | None, turn: str | None, prompt_ids: list[int] | None,
+                             arrays: tuple[str, ...], start: int, ids_start: int | None) -> AsyncGenerator[Any, None]:  # fmt: skip
         output_ids: list[int] = []
         delivered = False
         async for out in original(engine, prompt, sampling_params, request_id, *args, **kwargs):
@@ -281,7 +336,11 @@ class RouteResponder:
                 ok = delivered and o.finish_reason not in (None, "error", "abort")
                 if out.finished and ok and prompt_ids is not None:
                     turn_start = start if ids_start is None else ids_start
-                    self.sessions.delivered(session, [*prompt_ids, *output_ids], start=turn_start, arrays=arrays)
+                    if turn is not None:
+                        await self._session_call("record", self.sessions.delivered, session,
+                                                 [*prompt_ids, *output_ids], start=turn_start, arrays=arrays,
+                                                 turn=turn)  # fmt: skip
+                        out.auxout_turn_recorded = True  # (recorded or not, the claim is over)
                     COUNTS.add("session_turns")
                     COUNTS.add("session_rows_saved", turn_start)
             yield out
@@ -500,11 +559,15 @@ def choice_facts(output: Any, res: Any) -> dict[str, Any]:
 _INSTALLED: RouteResponder | None = None
 
 
-def install(options: VllmOptions, *, max_sessions: int = 4096, max_session_tokens: int = 1 << 26) -> RouteResponder:
-    """Wrap vLLM's server methods (API-server process only; idempotent: the latest options win)."""
+def install(options: VllmOptions, *, max_sessions: int = 4096, max_session_tokens: int = 1 << 26,
+            sessions: RouteSessions | None = None) -> RouteResponder:  # fmt: skip
+    """Wrap vLLM's server methods (API-server process only; idempotent: the latest options win).
+    ``sessions``: the route session store (default: in memory, bounded by the two limits)."""
     global _INSTALLED
     if _INSTALLED is not None:
         _INSTALLED.options = options
+        if sessions is not None:
+            _INSTALLED.sessions = sessions
         return _INSTALLED
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
@@ -512,7 +575,8 @@ def install(options: VllmOptions, *, max_sessions: int = 4096, max_session_token
     from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    responder = RouteResponder(options, max_sessions=max_sessions, max_session_tokens=max_session_tokens)
+    responder = RouteResponder(options, max_sessions=max_sessions, max_session_tokens=max_session_tokens,
+                               sessions=sessions)  # fmt: skip
 
     for cls in (CompletionRequest, ChatCompletionRequest):
         original_params = cls.to_sampling_params

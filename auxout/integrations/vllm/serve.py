@@ -120,7 +120,63 @@ def auxout_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--auxout-max-session-tokens", type=_positive_int, default=1 << 26, help="tokens kept over all sessions (LRU)"
     )
+    p.add_argument(
+        "--auxout-session-store", default="memory",
+        help="where route sessions live: memory (this server, default), redis (the route store's Redis, shared by "
+             "every replica on it) or a redis:// URL of its own",
+    )  # fmt: skip
+    p.add_argument("--auxout-session-ttl", type=_positive_float, default=None,
+                   help="seconds a shared session lives after its last turn (default 3600)")  # fmt: skip
+    p.add_argument("--auxout-session-lease", type=_positive_float, default=None,
+                   help="seconds one turn may hold its session before another turn may take it (default 3600)")  # fmt: skip
     return p
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
+def _check_session_store(ours: argparse.Namespace, opts: VllmOptions) -> None:
+    kind = ours.auxout_session_store
+    if kind == "redis" and opts.store != "redis":
+        raise ServeArgumentError(
+            f"--auxout-session-store redis keeps sessions in the route store's Redis, and the route store is "
+            f"{opts.store!r}: use --auxout-store redis, or give the session store its own URL "
+            "(--auxout-session-store redis://HOST:PORT/DB)"
+        )
+    if kind not in ("memory", "redis") and kind.split("://", 1)[0] not in ("redis", "rediss", "unix"):
+        raise ServeArgumentError(
+            f"--auxout-session-store must be memory, redis or a redis://, rediss:// or unix:// URL, got {kind!r}"
+        )
+    if kind == "memory" and ours.auxout_session_ttl is not None:
+        raise ServeArgumentError("--auxout-session-ttl applies to a shared session store (--auxout-session-store "
+                                 "redis or a URL); in memory, sessions are bounded by --auxout-max-sessions and "
+                                 "--auxout-max-session-tokens")  # fmt: skip
+
+
+def session_store(ours: argparse.Namespace, model: str) -> Any:
+    """The route session store ``auxout serve`` was asked for (``RouteSessions``)."""
+    from auxout.sessions import DEFAULT_TURN_LEASE, SessionStore
+
+    opts: VllmOptions = ours.options
+    lease = ours.auxout_session_lease or DEFAULT_TURN_LEASE
+    if ours.auxout_session_store == "memory":
+        store = SessionStore(ours.auxout_max_sessions, ours.auxout_max_session_tokens)
+        store.turn_lease = lease
+        return store
+    from auxout.redis_sessions import DEFAULT_TTL, RedisSessionStore
+
+    url = str(opts.store_options["url"]) if ours.auxout_session_store == "redis" else ours.auxout_session_store
+    return RedisSessionStore(
+        url, namespace=opts.namespace, model=model, max_sessions=ours.auxout_max_sessions,
+        max_tokens=ours.auxout_max_session_tokens, ttl=ours.auxout_session_ttl or DEFAULT_TTL, turn_lease=lease,
+    )  # fmt: skip
 
 
 def _pop_additional_config(rest: list[str]) -> dict[str, Any] | None:
@@ -215,6 +271,7 @@ def _split(argv: Sequence[str], env: str | None) -> tuple[list[str], argparse.Na
     opts = resolve_options(ours, user_config, env)
     kw = engine_kwargs(**opts.to_dict())  # (the store URL's credentials go to the environment)
     ours.options = VllmOptions.from_dict(kw["additional_config"][CONFIG_KEY])
+    _check_session_store(ours, ours.options)
     if rest and not rest[0].startswith("-"):
         rest = ["--model", rest[0], *rest[1:]]
     extra = {**(user_config or {}), CONFIG_KEY: kw["additional_config"][CONFIG_KEY],
@@ -270,6 +327,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("                          [--auxout-namespace NS] [--auxout-default-return BOOL] [--auxout-output M]")
         print("                          [--auxout-routing-weights BOOL]")
         print("                          [--auxout-max-sessions N] [--auxout-max-session-tokens N]")
+        print("                          [--auxout-session-store memory|redis|URL] [--auxout-session-ttl S]")
+        print("                          [--auxout-session-lease S]")
         print("                          [any vLLM server argument...]")
         print(f"options may also come from {ENV_VAR} (JSON) and --additional-config '{{\"{CONFIG_KEY}\": {{...}}}}'")
         return 0 if args else 2
@@ -297,12 +356,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     install_request_validation(flag_as_int=True)  # the middleware checked the raw JSON bool
     install_failure_reasons()
     install_context_length_message()
-    http_routes.install(ours.options, max_sessions=ours.auxout_max_sessions, max_session_tokens=ours.auxout_max_session_tokens)
+    served = getattr(parsed, "served_model_name", None)
+    model_name = str(served[0] if served else parsed.model)
+    sessions = session_store(ours, model_name)
+    if getattr(sessions, "remote", False):
+        from auxout.redis_sessions import SessionStoreError
+
+        try:
+            len(sessions)
+        except SessionStoreError as exc:  # (turns start at 0 until it answers: never wrong, only larger)
+            print(f"auxout serve: warning: {exc}; session turns send the whole history until it answers",
+                  file=sys.stderr)  # fmt: skip
+    http_routes.install(ours.options, max_sessions=ours.auxout_max_sessions,
+                        max_session_tokens=ours.auxout_max_session_tokens, sessions=sessions)  # fmt: skip
     install_startup_checks()
     from auxout.metrics import serve_metrics
 
-    served = getattr(parsed, "served_model_name", None)
-    serve_metrics(str(served[0] if served else parsed.model))  # (before vLLM starts its engine processes)
+    serve_metrics(model_name)  # (before vLLM starts its engine processes)
     try:
         uvloop.run(run_server(parsed))
     except ServeArgumentError as exc:  # (a configuration refused before any engine started)
