@@ -55,7 +55,7 @@ def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if diff.size else n
 
 
-DEFAULT_TURN_LEASE = 3600.0
+DEFAULT_TURN_LEASE = 600.0
 """Seconds a turn may hold its session: a turn never finished (its server died mid-turn) stops
 blocking the session after this long."""
 

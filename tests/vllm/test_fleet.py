@@ -288,6 +288,9 @@ def test_a_concurrent_turn_of_one_session_gets_409(fleet, oracle):
         busy = chat(fleet.b, messages, "story")
         assert busy.status_code == 409, busy.text
         assert "has another turn in flight" in busy.json()["error"]["message"]
+        streamed = post(fleet.b, "/v1/chat/completions", {**body, "max_tokens": 4})  # (streamed: an error event)
+        errors = [json.loads(x[6:]) for x in streamed.text.splitlines() if x.startswith("data: {")]
+        assert [e["error"]["code"] for e in errors] == [409] and streamed.text.rstrip().endswith("data: [DONE]")
         for line in lines:
             if line.startswith("data: {"):
                 events.append(json.loads(line[6:]))

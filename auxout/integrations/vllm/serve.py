@@ -128,7 +128,7 @@ def auxout_parser() -> argparse.ArgumentParser:
     p.add_argument("--auxout-session-ttl", type=_positive_float, default=None,
                    help="seconds a shared session lives after its last turn (default 3600)")  # fmt: skip
     p.add_argument("--auxout-session-lease", type=_positive_float, default=None,
-                   help="seconds one turn may hold its session before another turn may take it (default 3600)")  # fmt: skip
+                   help="seconds one turn may hold its session before another turn may take it (default 600)")  # fmt: skip
     return p
 
 
