@@ -1,4 +1,4 @@
-"""Fail closed on impossible route rows: one vectorized check of each step's captured rows.
+"""Fail closed on impossible route rows: one SIMD pass over each step's captured rows.
 
 A router's top-k picks ``top_k`` distinct experts out of ``num_experts`` for every (token, layer).
 A row that breaks this (an id out of range, an expert twice in one row, and so an all-zero row
@@ -8,17 +8,21 @@ all-zero or duplicate-id routes). ``RowCheck`` finds such rows so the connector 
 from ever being stored or returned (``WorkerConnector(row_check=...)``: the request gets an
 error and recomputes, and fails alone if it keeps producing them).
 
-Cost (``benchmarks/dataplane.py`` prints it next to the connector's own, same run): the common
-row shape, 8 one-byte ids (top-8 of up to 256 experts), is checked as one 64-bit word per
-(token, layer): four byte rotations find any repeated byte and one add finds an id out of
-range, compiled with numba (installed with vLLM) where it is importable, else in numpy. Other
-shapes compare each pair of slots. An all-zero row of a ``top_k == 1`` model is possible
-(expert 0) and is not flagged.
+How (``benchmarks/dataplane.py`` prints its share of the connector's cost, same run): with numba
+(installed with vLLM) the ids are read once, 32 bytes at a time (16 where a row would straddle a
+16-byte half), as a vector of whole rows: for each distance ``d`` in ``1..top_k // 2`` a byte
+shuffle rotates every row by ``d`` slots and one compare finds equal ids (those rotations meet
+every pair of slots); an unsigned max over all ids is compared with ``num_experts`` once, at the
+end. Ids interleaved with routing weights are gathered out of the records by one more shuffle.
+Only a step that holds an impossible row is looked at again, row by row, for its mask. Without
+numba the same rule runs as whole-array numpy calls. An all-zero row of a ``top_k == 1`` model
+is possible (expert 0) and is not flagged.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -41,84 +45,162 @@ else:
     except (ImportError, AttributeError):  # pragma: no cover - another llvmlite layout
         pass
 
-_H = np.uint64(0x8080808080808080)  # the top bit of each byte lane
-_LOW = np.uint64(0x0101010101010101)  # 1 in each byte lane
+
+def _vector_plan(top_k: int, itemsize: int) -> tuple[int, int] | None:
+    """(ids per vector, rows per vector) of the SIMD pass, or None for a row over 16 bytes. A
+    vector is 32 bytes where rows tile a 16-byte half (byte shuffles stay within halves on AVX2),
+    else 16 bytes; the lanes past its last whole row are loaded but not compared."""
+    row = top_k * itemsize
+    if row > 16:
+        return None
+    lanes = (32 if 16 % row == 0 else 16) // itemsize
+    return lanes, lanes // top_k
 
 
-def _rows_of_words(words: np.ndarray, limit: np.uint64, in_range: np.uint64, out: np.ndarray) -> int:
-    """``out[t]``: whether token row ``t`` of ``words`` (``uint64 [T, L]``, a (token, layer) row
-    of 8 one-byte ids each) repeats an id within a word or holds an id out of range; returns how
-    many rows are bad. ``limit`` (``0x80 - num_experts`` in every lane) added to a lane sets its
-    top bit exactly when the id is ``>= num_experts`` (a carry out of a lane only comes from a
-    lane already out of range); ``in_range``: the top bits when ``num_experts <= 128``, else 0
-    (the caller checks the range apart)."""
-    h, low, lim, rng = _H, _LOW, limit, in_range  # (all uint64: a Python int this large types as float)
-    s8, s16, s24, s32 = np.uint64(8), np.uint64(16), np.uint64(24), np.uint64(32)
-    s56, s48, s40 = np.uint64(56), np.uint64(48), np.uint64(40)
+def _rows_bad(raw: np.ndarray, r0: int, r1: int, k: int, stride: int, num_experts: int) -> bool:
+    """Whether any of rows ``r0..r1`` of ``raw`` (slot ``j`` of row ``r`` at ``raw[(r*k + j)*stride]``)
+    has an id out of range or an expert twice."""
+    for r in range(r0, r1):
+        base = r * k * stride
+        for a in range(k):
+            x = raw[base + a * stride]
+            if x >= num_experts:
+                return True
+            for b in range(a + 1, k):
+                if raw[base + b * stride] == x:
+                    return True
+    return False
+
+
+def _token_mask(raw: np.ndarray, rows_per_token: int, k: int, stride: int, num_experts: int, out: np.ndarray) -> int:
+    """``out[t]``: whether token ``t`` (``rows_per_token`` rows of ``raw``, as ``_rows_bad``) holds an
+    impossible row; returns how many do. Only for a step the SIMD pass found impossible rows in."""
     n_bad = 0
-    for t in range(words.shape[0]):
-        acc = np.uint64(0)
-        for layer in range(words.shape[1]):
-            w = words[t, layer]
-            # a byte equal to the byte 1, 2, 3 or 4 lanes away (cyclic: every pair) -> a zero byte
-            v = w ^ ((w << s8) | (w >> s56))
-            z = (v - low) & ~v
-            v = w ^ ((w << s16) | (w >> s48))
-            z |= (v - low) & ~v
-            v = w ^ ((w << s24) | (w >> s40))
-            z |= (v - low) & ~v
-            v = w ^ ((w << s32) | (w >> s32))
-            z |= (v - low) & ~v
-            acc |= z | (((w + lim) | w) & rng)
-        bad = (acc & h) != 0
+    for t in range(out.shape[0]):
+        bad = _rows_bad(raw, t * rows_per_token, (t + 1) * rows_per_token, k, stride, num_experts)
         out[t] = bad
         n_bad += bad
     return n_bad
 
 
-def _rows_of_slots(ids: np.ndarray, num_experts: int, top_k: int, out: np.ndarray) -> int:
-    """``out[t]``: whether token row ``t`` of ``ids`` (``[T, L, top_k]``) has an id out of range or
-    an expert twice in one (token, layer) row; returns how many rows are bad."""
-    n_bad = 0
-    for t in range(ids.shape[0]):
-        bad = False
-        for layer in range(ids.shape[1]):
-            for a in range(top_k):
-                x = ids[t, layer, a]
-                bad |= x >= num_experts
-                for b in range(a + 1, top_k):
-                    bad |= ids[t, layer, b] == x
-        out[t] = bad
-        n_bad += bad
-    return n_bad
-
-
-_words_kernel: Callable[..., int] | None = None
-_slots_kernel: Callable[..., int] | None = None
+_simd_pass: Any = None
 if numba is not None:
-    _words_kernel = numba.njit(nogil=True, cache=True, boundscheck=False)(_rows_of_words)
-    _slots_kernel = numba.njit(nogil=True, cache=True, boundscheck=False)(_rows_of_slots)
+    from llvmlite import ir
+    from numba import types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+
+    # (the GIL is kept: a call that let it go waited to get it back from the store's writer
+    # thread, often longer than the pass itself)
+    _rows_bad = numba.njit(cache=True, boundscheck=False)(_rows_bad)
+    _token_mask = numba.njit(cache=True, boundscheck=False)(_token_mask)
+
+    @intrinsic
+    def _simd_pass(typingctx: Any, raw: Any, nvec: Any, top_k: Any, stride: Any) -> Any:
+        """Over ``nvec`` vectors of whole rows (``_vector_plan``) from ``raw[0]``: whether two slots
+        of a row are equal, and the largest id, as ``equal << 32 | max`` (``top_k``, ``stride``:
+        compile-time constants)."""
+        if not isinstance(top_k, types.IntegerLiteral) or not isinstance(stride, types.IntegerLiteral):
+            return None
+        k, s, bits = top_k.literal_value, stride.literal_value, raw.dtype.bitwidth
+        plan = _vector_plan(k, bits // 8)
+        assert plan is not None
+        lanes, per_vector = plan
+        used = per_vector * k
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            data = context.make_array(signature.args[0])(context, builder, args[0]).data
+            elem, i32, i64 = ir.IntType(bits), ir.IntType(32), ir.IntType(64)
+            vec, wide = ir.VectorType(elem, lanes), ir.VectorType(elem, lanes * s)
+
+            def shuffle(src: list[int]) -> Any:
+                return ir.Constant(ir.VectorType(i32, lanes), src)
+
+            # slot (j + d) % k of the same row, for each lane j of a row; the lanes past the
+            # last whole row compare with themselves and are masked off at the end
+            rotations = [
+                shuffle([i - i % k + (i % k + d) % k if i < used else i for i in range(lanes)])
+                for d in range(1, k // 2 + 1)
+            ]
+            gather = shuffle([i * s for i in range(lanes)])  # the id of each record (weights between)
+            equal = cgutils.alloca_once_value(builder, ir.Constant(vec, None))
+            top = cgutils.alloca_once_value(builder, ir.Constant(vec, None))
+            step = ir.Constant(i64, used * s)
+            with cgutils.for_range(builder, args[1]) as loop:
+                at = builder.gep(data, [builder.mul(loop.index, step)])
+                if s == 1:
+                    x = builder.load(builder.bitcast(at, vec.as_pointer()), align=1)
+                else:
+                    w = builder.load(builder.bitcast(at, wide.as_pointer()), align=1)
+                    x = builder.shuffle_vector(w, w, gather)
+                e = builder.load(equal)
+                for rotation in rotations:
+                    same = builder.icmp_unsigned("==", x, builder.shuffle_vector(x, x, rotation))
+                    e = builder.or_(e, builder.sext(same, vec))
+                builder.store(e, equal)
+                m = builder.load(top)
+                builder.store(builder.select(builder.icmp_unsigned(">", x, m), x, m), top)
+            e = builder.load(equal)
+            if used < lanes:
+                e = builder.and_(e, ir.Constant(vec, [-1 if i < used else 0 for i in range(lanes)]))
+            mod = builder.module
+            reduce_fn = ir.FunctionType(elem, [vec])
+            any_equal = builder.call(cgutils.get_or_insert_function(mod, reduce_fn, f"llvm.vector.reduce.or.v{lanes}i{bits}"), [e])
+            largest = builder.call(
+                cgutils.get_or_insert_function(mod, reduce_fn, f"llvm.vector.reduce.umax.v{lanes}i{bits}"), [builder.load(top)]
+            )
+            flag = builder.zext(builder.icmp_unsigned("!=", any_equal, ir.Constant(elem, 0)), i64)
+            return builder.or_(builder.shl(flag, ir.Constant(i64, 32)), builder.zext(largest, i64))
+
+        return types.int64(raw, nvec, top_k, stride), codegen
 
 
-def _words_numpy(words: np.ndarray, limit: np.uint64, in_range: np.uint64, out: np.ndarray) -> int:
-    """``_rows_of_words`` in whole-array numpy calls (no numba)."""
-    h, low = _H, _LOW
-    acc = (words | (words + limit)) & in_range
-    for r in (8, 16, 24, 32):
-        v = words ^ ((words << np.uint64(r)) | (words >> np.uint64(64 - r)))
-        acc |= (v - low) & ~v
-    np.not_equal(np.bitwise_or.reduce(acc & h, axis=1), 0, out=out)
-    return int(np.count_nonzero(out))
+_SCANS: dict[tuple[int, int, int], Callable[[np.ndarray, int], bool]] = {}
 
 
-def _slots_numpy(ids: np.ndarray, num_experts: int, top_k: int, out: np.ndarray) -> int:
-    """``_rows_of_slots`` in whole-array numpy calls (no numba)."""
-    bad = (ids >= num_experts).any(axis=(1, 2))
+def _scan_for(top_k: int, stride: int, itemsize: int) -> Callable[[np.ndarray, int], bool]:
+    """``scan(ids, num_experts)``: whether any row of ``ids`` (C-contiguous: a step's rows, or with
+    weights their records as ids) is impossible. numba, one per shape, compiled on first use or
+    loaded from numba's cache."""
+    key = (top_k, stride, itemsize)
+    scan = _SCANS.get(key)
+    if scan is not None:
+        return scan
+    assert numba is not None
+    plan = _vector_plan(top_k, itemsize)
+    # (the closure holds ints only: numba's cache keys a closure's compiled code by their values)
+    if plan is None:
+
+        def scan(ids: np.ndarray, num_experts: int) -> bool:
+            raw = ids.reshape(ids.size)
+            return _rows_bad(raw, 0, raw.shape[0] // (top_k * stride), top_k, stride, num_experts)
+
+    else:
+        lanes, per_vector = plan
+
+        def scan(ids: np.ndarray, num_experts: int) -> bool:
+            raw = ids.reshape(ids.size)  # (a view, made here: numpy's own reshape costs microseconds cold)
+            span, advance = lanes * stride, per_vector * top_k * stride  # (elements loaded, passed)
+            nvec = (raw.shape[0] - span) // advance + 1 if raw.shape[0] >= span else 0
+            r = _simd_pass(raw, nvec, top_k, stride)
+            if (r >> 32) != 0 or (r & 0xFFFFFFFF) >= num_experts:
+                return True
+            n_rows = raw.shape[0] // (top_k * stride)
+            return _rows_bad(raw, nvec * per_vector, n_rows, top_k, stride, num_experts)  # the rows left
+
+    scan = numba.njit(cache=True, boundscheck=False)(scan)
+    _SCANS[key] = scan
+    return scan
+
+
+def _mask_numpy(ids: np.ndarray, num_experts: int, top_k: int) -> np.ndarray:
+    """The impossible token rows of ``ids`` (``[T, L, top_k]``) in whole-array numpy calls, a pair
+    of slots at a time (no numba: two orders of magnitude slower than the SIMD pass)."""
+    bad = np.asarray((ids >= num_experts).any(axis=(1, 2)))
     for a in range(top_k):
         for b in range(a + 1, top_k):
             bad |= (ids[:, :, a] == ids[:, :, b]).any(axis=1)
-    out[:] = bad
-    return int(np.count_nonzero(out))
+    return bad
 
 
 class RowCheck:
@@ -128,18 +210,13 @@ class RowCheck:
         self.profile = profile
         self.num_experts = profile.num_experts
         self.top_k = profile.top_k
-        id_dtype = profile.id_dtype
-        # ids as 64-bit words: top-8 one-byte ids, rows of ids only (no weights between them)
-        self._words = id_dtype.itemsize == 1 and self.top_k == 8 and not profile.weights
-        over = 1 << (8 * id_dtype.itemsize)
-        small = self.num_experts <= 128  # (the range in the words' top bits; else by a max apart)
-        self._limit = np.uint64((0x80 - self.num_experts) * 0x0101010101010101 if small else 0)
-        self._in_range = _H if small else np.uint64(0)
-        self._range_apart = self._words and 128 < self.num_experts < over
-        self._needs_check = self.top_k >= 2 or self.num_experts < over
-        self._out = np.zeros(0, dtype=bool)
+        self._layers = profile.num_layers
+        self._id_dtype = id_dtype = profile.id_dtype
+        self._stride = profile.dtype.itemsize // id_dtype.itemsize  # (ids between weights: every record's first)
+        self._needs_check = self.top_k >= 2 or self.num_experts < 1 << (8 * id_dtype.itemsize)
+        self._scan = _scan_for(self.top_k, self._stride, id_dtype.itemsize) if numba is not None else None
         self.bad_rows = 0  # token rows found impossible, over the check's life (a counter for metrics)
-        if numba is not None:  # compile now (or load the cached build), not in the first step
+        if self._scan is not None:  # compile now (or load the cached build), not in the first step
             sample = profile.empty(1)
             ids = np.broadcast_to(np.arange(self.top_k, dtype=id_dtype), (1, profile.num_layers, self.top_k))
             if profile.weights:
@@ -147,28 +224,29 @@ class RowCheck:
             else:
                 sample[:] = ids
             self(sample)
+            raw = sample.reshape(-1).view(id_dtype)
+            _token_mask(raw, self._layers, self.top_k, self._stride, self.num_experts, np.zeros(1, dtype=bool))
 
     def __call__(self, rows: np.ndarray) -> np.ndarray | None:
         """None when every row is possible; else a bool mask over the rows (True: impossible)."""
         n = len(rows)
         if not n or not self._needs_check:
             return None
-        out = self._out if len(self._out) >= n else np.zeros(max(n, 2 * len(self._out)), dtype=bool)
-        self._out = out
-        mask = out[:n]
-        if self._words:
-            words = rows.reshape(n, -1).view(np.uint64)
-            count = (_words_numpy if _words_kernel is None else _words_kernel)(words, self._limit, self._in_range, mask)
-            if self._range_apart and rows.max() >= self.num_experts:
-                mask |= (rows >= self.num_experts).any(axis=(1, 2))
-                count = int(np.count_nonzero(mask))
+        if self._scan is None:
+            mask = _mask_numpy(rows["id"] if self.profile.weights else rows, self.num_experts, self.top_k)
         else:
-            ids = rows["id"] if self.profile.weights else rows
-            count = (_slots_numpy if _slots_kernel is None else _slots_kernel)(ids, self.num_experts, self.top_k, mask)
+            if not rows.flags.c_contiguous:
+                rows = np.ascontiguousarray(rows)
+            if not self._scan(rows.reshape(-1).view(self._id_dtype) if self.profile.weights else rows, self.num_experts):
+                return None
+            mask = np.zeros(n, dtype=bool)
+            raw = rows.reshape(-1).view(self._id_dtype)  # (with weights: whole records as ids, every stride-th one)
+            _token_mask(raw, self._layers, self.top_k, self._stride, self.num_experts, mask)
+        count = int(np.count_nonzero(mask))
         if not count:
             return None
-        self.bad_rows += int(count)
-        return mask.copy()
+        self.bad_rows += count
+        return mask
 
     def reason(self, rows: np.ndarray, i: int) -> str:
         """What is impossible about token row ``i`` (its first bad (layer, slots)), for an error."""

@@ -8,7 +8,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import auxout.row_check as rc
 from auxout.profile import RouteProfile
 from auxout.row_check import RowCheck
 
@@ -27,7 +26,7 @@ def steps(draw: st.DrawFn) -> tuple[RouteProfile, np.ndarray, np.ndarray]:
     num_experts = draw(st.sampled_from(EXPERTS))
     top_k = draw(st.sampled_from(sorted({1, 2, 4, 6, 8, min(8, num_experts)} & set(range(1, num_experts + 1)))))
     profile = RouteProfile(draw(st.integers(1, 5)), top_k, num_experts, weights=draw(st.booleans()))
-    n = draw(st.integers(0, 40))
+    n = draw(st.integers(0, 40))  # (with up to 5 layers: steps shorter and longer than one vector)
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     ids = np.stack([rng.permutation(num_experts)[:top_k] for _ in range(n * profile.num_layers)]) if n else None
     ids = (np.zeros((0, profile.num_layers, top_k)) if ids is None else ids.reshape(n, profile.num_layers, top_k))
@@ -56,14 +55,9 @@ def steps(draw: st.DrawFn) -> tuple[RouteProfile, np.ndarray, np.ndarray]:
 def test_flags_exactly_the_impossible_rows(use_numba: bool, case) -> None:  # type: ignore[no-untyped-def]
     profile, rows, expected = case
     check = RowCheck(profile)
-    if not use_numba:  # the numpy kernels give the same answers
-        check_kernels = (rc._words_kernel, rc._slots_kernel)
-        rc._words_kernel = rc._slots_kernel = None  # type: ignore[assignment]
-    try:
-        got = check(rows)
-    finally:
-        if not use_numba:
-            rc._words_kernel, rc._slots_kernel = check_kernels
+    if not use_numba:  # the numpy path gives the same answers
+        check._scan = None
+    got = check(rows)
     if not expected.any():
         assert got is None
         return
@@ -91,6 +85,49 @@ def test_the_word_kernel_at_every_expert_count() -> None:
                     bad[2, 1, a] = num_experts + (d - 1) * (255 - num_experts) // 6
                 mask = check(bad)
                 assert mask is not None and mask.tolist() == [False, True, num_experts < 256], (num_experts, a, d)
+
+
+@pytest.mark.parametrize("weights", [False, True])
+@pytest.mark.parametrize("num_experts", [40, 300])  # one-byte and two-byte ids
+@pytest.mark.parametrize("top_k", [2, 3, 6, 8, 16])  # (32- and 16-byte vectors, lanes left over, none)
+def test_every_pair_of_slots_and_the_range_edge_at_every_row(top_k: int, num_experts: int, weights: bool) -> None:
+    """Each row of a step spanning several vectors and leftover rows: a repeat of each pair of
+    slots, and the smallest id out of range in each slot, flag that token alone; the largest
+    valid ids pass."""
+    profile = RouteProfile(3, top_k, num_experts, weights=weights)
+    check = RowCheck(profile)
+    rng = np.random.default_rng(top_k)
+    n = 6 if top_k > 8 else 11
+    ids = np.stack([rng.permutation(num_experts)[:top_k] for _ in range(n * 3)]).astype(profile.id_dtype)
+    ids = ids.reshape(n, 3, top_k)
+    ids[n // 2, 1] = np.arange(num_experts - top_k, num_experts)[::-1]  # the largest valid ids
+
+    def rows_of(x: np.ndarray) -> np.ndarray:
+        rows = profile.empty(n)
+        if weights:
+            rows["id"], rows["w"] = x, rng.random(x.shape, dtype=np.float32)
+        else:
+            rows[:] = x
+        return rows
+
+    rows = rows_of(ids)
+    assert check(rows) is None
+    # the one-pass scan itself passes them (a step it flags is looked at again, row by row)
+    scanned = rows.reshape(-1).view(profile.id_dtype) if weights else rows
+    assert check._scan is None or not check._scan(scanned, num_experts)
+    for t in range(n):
+        for layer in range(3):
+            for a in range(top_k):
+                bad = ids.copy()
+                bad[t, layer, a] = num_experts
+                cases = [bad]
+                for b in range(a + 1, top_k):
+                    bad = ids.copy()
+                    bad[t, layer, b] = bad[t, layer, a]
+                    cases.append(bad)
+                for bad in cases:
+                    mask = check(rows_of(bad))
+                    assert mask is not None and np.flatnonzero(mask).tolist() == [t], (t, layer, a)
 
 
 # -- in the data plane: a request with impossible rows is never stored nor returned ---------------
