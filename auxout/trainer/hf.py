@@ -16,6 +16,7 @@ Routes are indexed by MoE layer, never by hidden-layer number: dense layers (e.g
 from __future__ import annotations
 
 import re
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -122,7 +123,8 @@ def moe_layers(model: nn.Module) -> MoELayers:
     A router is a module whose class name ends with one of :data:`ROUTER_SUFFIXES`, that sits
     inside a decoder layer (``layers.N.``) next to an ``experts`` module, and knows its ``top_k``
     and expert count. The weighting rule is guessed from the class and verified against the
-    router's own output on the first replayed forward (see :func:`replay`).
+    router's own output on the first replayed forwards of each router module (see :func:`replay`;
+    the result is kept for the module's later replay contexts).
     """
     found: list[tuple[int, str, nn.Module]] = []
     modules = dict(model.named_modules())
@@ -184,6 +186,17 @@ def routing_weights(rule: str, router: nn.Module, logits: torch.Tensor, idx: tor
     if rule == "softmax_topk_renorm":
         w = w / w.sum(dim=-1, keepdim=True)
     return w
+
+
+_CALIBRATED: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[Any, ...], list[str], int]] = weakref.WeakKeyDictionary()
+"""Per router module: what its rule depends on, the rules still consistent with its output, and the
+calls checked. Kept across :func:`replay` contexts (a trainer opens one per batch, and each would
+otherwise check the first call again, ~6 weightings over all experts per MoE layer and step)."""
+
+
+def _rule_inputs(router: nn.Module) -> tuple[Any, ...]:
+    """What the weighting rule of ``router`` can depend on: a change to any of them checks it again."""
+    return (type(router), *(getattr(router, a, None) for a in ("norm_topk_prob", "routed_scaling_factor", "route_scale")))
 
 
 def _consistent_rules(candidates: list[str], layer: MoELayer, logits: torch.Tensor, live_w: torch.Tensor,
@@ -312,8 +325,12 @@ class ReplayContext:
         self.cursors = [0] * len(self.layers)
         self.fallback_per_layer = [0] * len(self.layers)
         self.candidates = [list(dict.fromkeys([lay.rule, *RULES] if lay.rule else RULES)) for lay in self.layers]
-        self.rules = [c[0] for c in self.candidates]
         self.calibrations = [0] * len(self.layers)
+        for i, lay in enumerate(self.layers):
+            known = _CALIBRATED.get(lay.router)
+            if known is not None and known[0] == _rule_inputs(lay.router):
+                self.candidates[i], self.calibrations[i] = list(known[1]), known[2]
+        self.rules = [c[0] for c in self.candidates]
         self._pending = [[] for _ in self.layers]
         self._sentinel = check_routes(self.routes, self.layers.num_experts, self.valid_mask)
 
@@ -413,6 +430,7 @@ def _layer_hook(ctx: ReplayContext, layer: MoELayer) -> Callable[..., Any]:
             ctx.candidates[i] = _consistent_rules(ctx.candidates[i], layer, logits, live_w, live_idx)
             ctx.rules[i] = ctx.candidates[i][0]
             ctx.calibrations[i] += 1
+            _CALIBRATED[layer.router] = (_rule_inputs(layer.router), list(ctx.candidates[i]), ctx.calibrations[i])
         idx, fallback, counted = ctx._take(i, logits.shape[0], logits.device)
         n_fb = int((fallback & counted).sum())
         if bool(fallback.any()):

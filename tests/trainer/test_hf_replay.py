@@ -53,6 +53,31 @@ def test_capture_matches_router_outputs(arch_model):
     np.testing.assert_array_equal(capture_routes(model, ids[1].tolist()), batch[1])
 
 
+def test_rule_check_is_kept_across_replay_contexts(arch_model):
+    """A router's weighting rule is checked on its first replayed calls, not again in every later
+    context (a trainer opens one per batch); a change to what the rule depends on checks it again."""
+    arch, model = arch_model
+    ids = _ids(6, (1, S))
+    ref = _logits(model, ids)
+    routes = capture_routes(model, ids[0])
+    with replay(model, routes) as first:
+        assert torch.equal(_logits(model, ids), ref)
+    assert all(n >= 1 for n in first.calibrations)
+    with replay(model, routes) as second:
+        assert second.calibrations == first.calibrations and second.candidates == first.candidates
+        assert torch.equal(_logits(model, ids), ref)
+    router = moe_layers(model)[0].router
+    if hasattr(router, "norm_topk_prob"):
+        router.norm_topk_prob = not router.norm_topk_prob
+        try:
+            with replay(model, routes) as changed:
+                assert changed.calibrations[0] == 0 and changed.calibrations[1] >= 1
+                _logits(model, ids)
+            assert changed.calibrations[0] >= 1
+        finally:
+            router.norm_topk_prob = not router.norm_topk_prob
+
+
 def test_replay_captured_is_bit_exact(arch_model):
     arch, model = arch_model
     ids = _ids(1, (1, S))
