@@ -8,6 +8,7 @@ model's and fp32 routing is reproducible between a full forward and cached decod
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -232,6 +233,69 @@ def build_sized_moe(size: str = "realistic", *, seed: int = 0, path: str | os.Pa
         if out.exists():
             shutil.rmtree(out)
         shutil.move(str(tmp), out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)
+
+
+ROUTING_MOE: dict[str, Any] = {
+    "config": {},  # Qwen3-MoE field overrides of the tiny qwen3_moe
+    "expert_output_scale": 100.0,  # every expert's down_proj is multiplied by this
+}
+"""The routing-sensitive preset (:func:`build_routing_moe`).
+
+In the tiny random models the MoE blocks add about a twentieth of the residual stream, so which
+experts a token takes barely moves its logprobs: a top-k set that flips between a bf16 rollout
+and an fp32 training forward costs about as much KL as bf16 rounding itself, and replay cannot
+show what it is for. Scaling each expert's output projection makes the MoE blocks carry the
+residual stream, as in a trained MoE: a flipped expert then moves the logprobs far more than
+rounding does. Routing itself is unchanged (same router, same margins, same flip rate).
+"""
+
+
+def build_routing_moe(*, seed: int = 0, path: str | os.PathLike[str] | None = None) -> str:
+    """Write (or reuse) the tiny Qwen3-MoE of the :data:`ROUTING_MOE` preset: a model whose
+    routing carries weight (``auxout verify`` on it shows replay closing most of the
+    rollout->train KL); returns its directory. Deterministic from ``seed``, cached like
+    :func:`build_tiny_moe`, with the same tokenizer."""
+    arch = "qwen3_moe"
+    preset = hashlib.sha256(json.dumps(ROUTING_MOE, sort_keys=True).encode()).hexdigest()[:8]
+    tag = f"{arch}-routing-{preset}"  # (a changed preset is rebuilt)
+    out = Path(path) if path is not None else default_cache_dir() / "models" / f"{arch}-routing-s{seed}"
+    if _is_complete(out, tag, seed):
+        return str(out)
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(arch, **{**ARCHS[arch](), **ROUTING_MOE["config"]})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed + 1)
+    scale = float(ROUTING_MOE["expert_output_scale"])
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__.endswith(("TopKRouter", "TopkRouter")):
+                w = module.weight
+                w.copy_(torch.randn(w.shape, generator=gen, dtype=torch.float32) * cfg.hidden_size**-0.5)
+        for name, p in model.named_parameters():
+            if ".experts." in name and "down_proj" in name:
+                p.mul_(scale)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        write_tokenizer(tmp, cfg.vocab_size)
+        (tmp / COMPLETE_MARKER).write_text(json.dumps({"arch": tag, "seed": seed, "version": FORMAT_VERSION}))
+        if _is_complete(out, tag, seed):  # another process won the race: keep its copy
+            return str(out)
+        if out.exists():
+            shutil.rmtree(out)
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            if not _is_complete(out, tag, seed):
+                raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
