@@ -5,7 +5,7 @@ STAMP := $(VENV)/.auxout-installed
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install demo test test-fast test-slow lint fuzz bench clean
+.PHONY: install demo rl test test-fast test-slow lint fuzz bench clean
 
 install: $(STAMP)
 
@@ -14,6 +14,10 @@ $(STAMP): pyproject.toml scripts/install.sh
 
 demo: install
 	$(PY) -m auxout.cli demo
+
+# GRPO with routing replay (TRL, colocated vLLM) on a toy task, 3 seeds: out/rl/rl.json and rl.png
+rl: install
+	$(PY) -m auxout.cli rl
 
 test: install lint
 	$(PY) -m pytest -q

@@ -80,28 +80,10 @@ def _logged(trainer, key: str) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory) -> str:
-    return _expert_scaled(tmp_path_factory.mktemp("model"))
+def model_path() -> str:
+    from auxout.models import build_routing_moe
 
-
-def _expert_scaled(out) -> str:
-    """The tiny Qwen3-MoE with its experts' weights scaled: routing moves logprobs."""
-    import shutil
-
-    from transformers import AutoModelForCausalLM
-
-    from auxout.models import build_tiny_moe
-
-    src = build_tiny_moe("qwen3_moe")
-    model = AutoModelForCausalLM.from_pretrained(src)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".experts." in name:
-                p.mul_(4.0)
-    model.save_pretrained(out)
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(os.path.join(src, f), out / f)
-    return str(out)
+    return build_routing_moe()
 
 
 @pytest.fixture(scope="module")
@@ -240,8 +222,8 @@ def _inputs(n: int = 4) -> list[dict]:
     "corrupt, message",
     [
         ("short", r"sample 1 \(\d+ tokens\): \d+ route rows, expected \d+"),
-        ("layers", r"sample 1 .*1 layers, the model has 2 MoE layers"),
-        ("topk", r"sample 1 .*top-k 5, the model routes top_k=4"),
+        ("layers", r"sample 1 .*routes have \d+ layers, the model has \d+ MoE layers"),
+        ("topk", r"sample 1 .*routes have top-k (\d+), the model routes top_k=\d+"),
         ("range", r"sample 1 .*position 2, MoE layer 1 = .* outside \[0, \d+\)"),
         ("repeat", r"sample 1 .*position 3, MoE layer 0 = .* repeats an expert"),
         ("tokens", r"sample 1 \(\d+ tokens\): no routes from position (\d+): its tokens differ .* at position \1"),
@@ -258,7 +240,7 @@ def test_bad_routes_fail_the_step_naming_sample_and_position(main_run, corrupt, 
         if corrupt == "short":
             r = r[:-1]
         elif corrupt == "layers":
-            r = r[:, :1]
+            r = r[:, :1] if r.shape[1] > 1 else np.concatenate([r, r], axis=1)
         elif corrupt == "topk":
             r = np.concatenate([r, r[..., :1]], axis=-1)
         elif corrupt == "range":
