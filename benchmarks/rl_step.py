@@ -5,8 +5,8 @@ on, off, off, on (repeated), so both arms see the same engine, process, weights 
 batch shapes. A step's training time is what replay touches: the no-grad old-logprob forward
 (TRL's importance-sampling correction, chunked) plus the loss forward and backward; generation,
 weight sync and reward scoring are left out (replay does not run there). The metrics forward is
-off (``routing_metrics=False``). Prints the median of each arm, their ratio and the mean of the
-per-cycle ratios, with the spread of the on/on and off/off pairs as the instrument's own noise.
+off (``routing_metrics=False``). Prints the median of each arm, their ratio and the median of the
+per-cycle ratios, with the on/on and off/off pairs as the instrument's own noise.
 
     python benchmarks/rl_step.py                          # routing-sensitive model, 40 steps
     python benchmarks/rl_step.py --model DIR --steps 80 --checkpointing
@@ -117,10 +117,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{'on' if args.checkpointing else 'off'}; {len(on)} steps with replay, {len(off)} without")
     print(f"training time per step (old-logprob forward + loss forward/backward): median "
           f"{statistics.median(on) * 1e3:.1f} ms with replay, {statistics.median(off) * 1e3:.1f} ms without")
-    print(f"ratio with/without: {statistics.median(on) / statistics.median(off):.3f} (medians), "
-          f"{statistics.mean(pairs):.3f} (mean of {len(pairs)} cycle ratios, stdev {statistics.pstdev(pairs):.3f})")
-    print(f"noise: on/on pairs {statistics.mean(same_on):.3f} +- {statistics.pstdev(same_on):.3f}, off/off pairs "
-          f"{statistics.mean(same_off):.3f} +- {statistics.pstdev(same_off):.3f}")
+    q = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else [pairs[0]] * 3
+    print(f"ratio with/without: {statistics.median(on) / statistics.median(off):.3f} (medians of the arms), "
+          f"{statistics.median(pairs):.3f} (median of {len(pairs)} cycle ratios, quartiles {q[0]:.3f}-{q[2]:.3f})")
+    print(f"noise (same arm, same cycle): on/on median {statistics.median(same_on):.3f}, off/off median "
+          f"{statistics.median(same_off):.3f}")
     print(f"replay counts {dict(trainer.replay_counts)}")
     return 0
 

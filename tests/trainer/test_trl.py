@@ -182,14 +182,19 @@ def test_replay_lowers_rollout_train_kl_on_the_same_rollout(main_run):
     assert all(0.5 < a < 1.0 for a in live), live  # the training forward's own routing differs somewhere
 
 
-@pytest.mark.parametrize("replay, checkpointing", [(True, False), (False, True)])
-def test_other_arms_share_the_engine(main_run, dataset, tmp_path, replay, checkpointing):
-    args = _config(str(tmp_path), routing_replay=replay, gradient_checkpointing=checkpointing, max_steps=2, seed=1)
+@pytest.mark.parametrize("replay, checkpointing, correction", [(True, False, True), (False, True, True),
+                                                                 (True, True, False)])
+def test_other_arms_share_the_engine(main_run, dataset, tmp_path, replay, checkpointing, correction):
+    args = _config(str(tmp_path), routing_replay=replay, gradient_checkpointing=checkpointing, max_steps=2, seed=1,
+                   vllm_importance_sampling_correction=correction)
     trainer = R3GRPOTrainer(model=main_run.model.name_or_path, reward_funcs=_reward, args=args,
                             train_dataset=dataset, vllm_engine=main_run.vllm_generation.llm)
     trainer.train()
     counts = dict(trainer.replay_counts)
-    if replay:  # no recompute without checkpointing, no reference model at beta 0
+    layers = len(trainer._r3_model_layers(trainer.model))
+    if not correction:  # TRL skips its old-logprob forward: both metric arms are the trainer's own forwards
+        assert counts == {"metrics": 2, "loss": 2, "recompute": 2 * layers}
+    elif replay:  # no recompute without checkpointing, no reference model at beta 0
         assert counts == {"old_logps": 2, "loss": 2, "recompute": 0}
     else:  # only the metrics forward replays: the loop itself runs as TRL's
         assert counts == {"metrics": 2, "recompute": 0}
