@@ -23,6 +23,7 @@ vLLM runs are interleaved so machine noise hits both alike.
 auxout's worker connector checks every step's rows for ids no router can produce
 (``auxout.row_check``, as vLLM's worker builds it; the rows fed in are ones a router can produce):
 the check's own time, which is part of auxout's cost, is printed as its share of that cost.
+``--unchecked`` adds a row for auxout without the check, and the paired ratio of the two.
 
 ``--bridge`` adds a row for auxout as its vLLM bridge drives it: a running request's rows are
 held (``HeldRows``) until it finishes, a steady decode step is taken whole (``take_step``), and
@@ -379,6 +380,7 @@ class AuxoutDriver:
 
     name = "auxout"
     background = True
+    checked = True  # (the row check, as vLLM's worker builds it)
 
     def __init__(self) -> None:
         nbytes = PROFILE.block_nbytes(BLOCK)
@@ -392,7 +394,7 @@ class AuxoutDriver:
         self.worker = WorkerConnector(
             PROFILE, block_size=BLOCK, store=self.store, max_num_seqs=MAX_SEQS,
             max_num_batched_tokens=MAX_BATCHED, keyspace=KeySpace("bench"),
-            row_check=TimedRowCheck(PROFILE),  # (as vLLM's worker builds it; its own time is kept apart)
+            row_check=TimedRowCheck(PROFILE) if self.checked else None,  # (its own time is kept apart)
         )
 
     def step(self, st: Step, rows: np.ndarray, live: dict[str, Req], admitted: list[Req]) -> StepOutput:
@@ -442,6 +444,13 @@ class AuxoutDriver:
     def check(self) -> str | None:
         drops = self.worker.dropped_batches + getattr(self.store, "dropped_batches", 0)
         return f"{drops} store batches dropped" if drops else None
+
+
+class AuxoutUncheckedDriver(AuxoutDriver):
+    """auxout without the row check (``--unchecked``): the same run's cost of the check, paired."""
+
+    name = "auxout-unchecked"
+    checked = False
 
 
 class AuxoutSyncDriver(AuxoutDriver):
@@ -712,6 +721,9 @@ def report(wl: Workload, res: dict[str, Measured]) -> list[tuple[str, bool]]:
         f"connector cost (included in it; per repeat {100 * shares[0]:.2f}..{100 * shares[-1]:.2f}%)"
     )
     checks.append((f"{wl.name}: row check < {100 * MAX_CHECK_SHARE:.0f}% of the connector's cost", share < MAX_CHECK_SHARE))
+    unchecked = res.get("auxout-unchecked")
+    if unchecked is not None:
+        print(f"  paired ratio auxout/auxout-unchecked {_paired(a, unchecked)}")
     bridge = res.get("auxout-bridge")
     if bridge is not None:
         checks.append((f"{wl.name}: auxout-bridge outputs equal the rows fed in", not bridge.mismatches))
@@ -720,7 +732,7 @@ def report(wl: Workload, res: dict[str, Measured]) -> list[tuple[str, bool]]:
         ratio = a.median / v.median
         print(f"  ratio auxout/vLLM cost {ratio:.3f}   speed-up vLLM/auxout {1 / ratio:.2f}x")
         print(f"  paired ratio auxout/vLLM {_paired(a, v)}")
-        for other in ("auxout-sync", "auxout-bridge"):
+        for other in ("auxout-sync", "auxout-bridge", "auxout-unchecked"):
             o = res.get(other)
             if o is not None:
                 print(f"  ratio {other}/vLLM cost {o.median / v.median:.3f}   paired {_paired(o, v)}")
@@ -768,6 +780,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--thread-time", action="store_true", help="time the step thread's CPU time, not wall time")
     ap.add_argument("--time-join", action="store_true", help="also time each request's hand-over join (both drivers)")
     ap.add_argument("--bridge", action="store_true", help="also run auxout as its vLLM bridge drives it (HeldRows, take_step)")
+    ap.add_argument("--unchecked", action="store_true", help="also run auxout without the row check")
     args = ap.parse_args(argv)
     JOIN[0] = args.time_join
     if args.thread_time:
@@ -786,6 +799,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         drivers.append(("auxout-sync", AuxoutSyncDriver))
     if args.bridge:
         drivers.append(("auxout-bridge", AuxoutBridgeDriver))
+    if args.unchecked:
+        drivers.append(("auxout-unchecked", AuxoutUncheckedDriver))
     if mods is not None:
         drivers.append(("vLLM", lambda: VllmDriver(mods)))
 

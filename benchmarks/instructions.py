@@ -12,6 +12,7 @@ clock sees and this count does not. Read the ratio beside ``dataplane.py``'s, no
 
     .venv/bin/python benchmarks/instructions.py                  # ~8 min (vLLM's import under valgrind)
     .venv/bin/python benchmarks/instructions.py --no-vllm --only decode
+    .venv/bin/python benchmarks/instructions.py --no-vllm --unchecked   # + auxout without the row check
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 WORKLOADS = ("decode", "prefill", "multi-turn")
-DRIVERS = ("null", "auxout", "auxout-sync", "vLLM")
+DRIVERS = ("null", "auxout", "auxout-sync", "vLLM", "auxout-unchecked")
 
 
 def _build(dp: Any, name: str, quick: bool) -> Any:
@@ -52,7 +53,10 @@ def child(workload: str, driver: str, quick: bool) -> int:
     def instrument(on: bool) -> None:
         subprocess.run(["callgrind_control", "-i", "on" if on else "off", pid], check=True, capture_output=True)
 
-    base: Any = {"auxout": dp.AuxoutDriver, "auxout-sync": dp.AuxoutSyncDriver, "null": dp.AuxoutSyncDriver}
+    base: Any = {
+        "auxout": dp.AuxoutDriver, "auxout-sync": dp.AuxoutSyncDriver, "null": dp.AuxoutSyncDriver,
+        "auxout-unchecked": dp.AuxoutUncheckedDriver,
+    }  # fmt: skip
     if driver == "vLLM":
         mods = dp.load_vllm()
         if mods is None:
@@ -108,6 +112,7 @@ def main() -> int:
     ap.add_argument("--only", choices=WORKLOADS, action="append")
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--quick", action="store_true", help="smaller workloads")
+    ap.add_argument("--unchecked", action="store_true", help="also count auxout without the row check")
     ap.add_argument("--child", nargs=2, metavar=("WORKLOAD", "DRIVER"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -115,7 +120,7 @@ def main() -> int:
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         print("valgrind (with callgrind_control) is needed: apt-get install valgrind")
         return 2
-    drivers = [d for d in DRIVERS if not (args.no_vllm and d == "vLLM")]
+    drivers = [d for d in DRIVERS if not (args.no_vllm and d == "vLLM") and (args.unchecked or d != "auxout-unchecked")]
     print("instructions per timed step, connectors only (each driver minus the do-nothing driver)")
     for wl in args.only or WORKLOADS:
         t = time.perf_counter()
@@ -124,6 +129,9 @@ def main() -> int:
         per = {d: (n - null) / steps for d, (n, _) in counts.items() if d != "null"}
         line = "  ".join(f"{d} {v / 1e6:7.3f} M" for d, v in per.items())
         print(f"{wl:<11} {steps:4d} steps  {line}  (harness {null / steps / 1e6:.3f} M)  [{time.perf_counter() - t:.0f} s]")
+        if "auxout-unchecked" in per:
+            check = per["auxout"] - per["auxout-unchecked"]
+            print(f"{'':<11} row check {check / 1e3:.1f} k = {100 * check / per['auxout-unchecked']:.2f}% of auxout-unchecked")
         if "vLLM" in per:
             print(
                 f"{'':<11} auxout / vLLM {per['auxout'] / per['vLLM']:.3f}   "
