@@ -71,6 +71,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="checkpoint directory (default: auxout's tiny random MoE for --arch)")
     p.add_argument("--arch", default="qwen3_moe", choices=sorted(ARCHS),
                    help="tiny model architecture when --model is not given")
+    p.add_argument("--routing-model", action="store_true",
+                   help="instead of --model/--arch: auxout's routing-sensitive MoE (auxout.models.build_routing_moe), "
+                        "whose routing carries weight (replay then closes most of the KL)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rollout", choices=ROLLOUTS, default="auto",
                    help="auto = vLLM if auxout.vllm and vllm import, else transformers in bf16")
@@ -229,6 +232,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.model:
         model_path = args.model
+    elif getattr(args, "routing_model", False):
+        from auxout.models import build_routing_moe
+
+        model_path = build_routing_moe(seed=args.seed)
     else:
         from auxout.models import build_tiny_moe
 
@@ -277,6 +284,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "num_sequences": n,
         "prompt_len": args.prompt_len,
         "max_new_tokens": args.max_new_tokens,
+        "kl_ratio": (results["with_replay"]["kl_k3"] / results["without_replay"]["kl_k3"]
+                     if results["without_replay"]["kl_k3"] > 0 else None),
         "num_moe_layers": len(layers),
         "top_k": layers.top_k,
         "num_experts": layers.num_experts,
@@ -292,6 +301,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = _parser()
     args = parser.parse_args(list(argv) if argv is not None else None)
+    if args.model is not None and args.routing_model:
+        parser.error("--model and --routing-model choose the model both: give one")
     if args.model is not None and not Path(args.model).is_dir():
         parser.error(f"--model {args.model!r} is not a checkpoint directory")
     try:
@@ -312,6 +323,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"max|log-ratio| {w['max_abs_log_ratio']:.3e}")
     print(f"  with replay:    agreement {r['agreement']:.4%}  k3 KL {r['kl_k3']:.3e}  "
           f"max|log-ratio| {r['max_abs_log_ratio']:.3e}")
+    if report.get("kl_ratio") is not None:
+        print(f"  KL with / without replay: {report['kl_ratio']:.3f}")
     print(f"  wrote {out / 'verify.json'} and {out / 'disagreement.png'}")
     ok = True
     if r["agreement"] != 1.0:
