@@ -5,7 +5,8 @@ on, off, off, on (repeated), so both arms see the same engine, process, weights 
 batch shapes. A step's training time is what replay touches: the no-grad old-logprob forward
 (TRL's importance-sampling correction, chunked) plus the loss forward and backward; generation,
 weight sync and reward scoring are left out (replay does not run there). The metrics forward is
-off (``routing_metrics=False``). Prints the median of each arm, their ratio and the median of the
+off (``routing_metrics=False``). Prints, for wall time and for the process's CPU time (less moved by
+other processes on a shared machine), the median of each arm, their ratio and the median of the
 per-cycle ratios, with the on/on and off/off pairs as the instrument's own noise.
 
     python benchmarks/rl_step.py                          # routing-sensitive model, 40 steps
@@ -63,34 +64,42 @@ def main(argv: list[str] | None = None) -> int:
     trainer = R3GRPOTrainer(model=path, reward_funcs=reward, args=cfg, train_dataset=data)
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(ProgressCallback)
-    step_time: dict[bool, list[float]] = {True: [], False: []}
-    current: dict[str, Any] = {"train": 0.0, "prepare": 0.0, "old": 0.0}
+    clocks = {"wall": time.perf_counter, "cpu": time.process_time}  # CPU time: less moved by other processes
+    step_time: dict[str, dict[bool, list[float]]] = {c: {True: [], False: []} for c in clocks}
+    current: dict[str, float] = {}
+
+    def add(key: str, started: dict[str, float]) -> None:
+        for c, clock in clocks.items():
+            current[f"{key}.{c}"] = current.get(f"{key}.{c}", 0.0) + clock() - started[c]
+
+    def now() -> dict[str, float]:
+        return {c: clock() for c, clock in clocks.items()}
 
     prepare = trainer._prepare_inputs
     logps = trainer._get_per_token_logps_and_entropies
     train_step = trainer.training_step
 
     def timed_prepare(batch: Any) -> Any:
-        t = time.perf_counter()
+        t = now()
         try:
             return prepare(batch)
         finally:
-            current["prepare"] += time.perf_counter() - t
+            add("prepare", t)
 
     def timed_logps(*a: Any, **kw: Any) -> Any:
-        t = time.perf_counter()
+        t = now()
         try:
             return logps(*a, **kw)
         finally:
             if trainer._r3_phase == "rollout":  # the old-logprob forward, inside generation
-                current["old"] += time.perf_counter() - t
+                add("old", t)
 
     def timed_step(*a: Any, **kw: Any) -> Any:
-        t = time.perf_counter()
+        t = now()
         try:
             return train_step(*a, **kw)
         finally:
-            current["train"] += time.perf_counter() - t
+            add("train", t)
 
     trainer._prepare_inputs = timed_prepare  # type: ignore[method-assign]
     trainer._get_per_token_logps_and_entropies = timed_logps  # type: ignore[method-assign]
@@ -99,29 +108,30 @@ def main(argv: list[str] | None = None) -> int:
     class Toggle(TrainerCallback):
         def on_step_begin(self, a: Any, state: Any, control: Any, **kw: Any) -> None:
             trainer.routing_replay = ORDER[state.global_step % len(ORDER)]
-            current.update(train=0.0, prepare=0.0, old=0.0)
+            current.clear()
 
         def on_step_end(self, a: Any, state: Any, control: Any, **kw: Any) -> None:
             if state.global_step > args.warmup:
                 arm = ORDER[(state.global_step - 1) % len(ORDER)]
-                step_time[arm].append(current["train"] - current["prepare"] + current["old"])
+                for c in clocks:
+                    step_time[c][arm].append(current[f"train.{c}"] - current[f"prepare.{c}"] + current[f"old.{c}"])
 
     trainer.add_callback(Toggle())
     trainer.train()
-    on, off = step_time[True], step_time[False]
-    n = min(len(on), len(off)) // 2 * 2
-    pairs = [(on[i] + on[i + 1]) / (off[i] + off[i + 1]) for i in range(0, n, 2)]
-    same_on = [on[i] / on[i + 1] for i in range(0, n, 2)]
-    same_off = [off[i] / off[i + 1] for i in range(0, n, 2)]
     print(f"model {path}; {args.batch} completions x {args.completion} tokens per step, checkpointing "
-          f"{'on' if args.checkpointing else 'off'}; {len(on)} steps with replay, {len(off)} without")
-    print(f"training time per step (old-logprob forward + loss forward/backward): median "
-          f"{statistics.median(on) * 1e3:.1f} ms with replay, {statistics.median(off) * 1e3:.1f} ms without")
-    q = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else [pairs[0]] * 3
-    print(f"ratio with/without: {statistics.median(on) / statistics.median(off):.3f} (medians of the arms), "
-          f"{statistics.median(pairs):.3f} (median of {len(pairs)} cycle ratios, quartiles {q[0]:.3f}-{q[2]:.3f})")
-    print(f"noise (same arm, same cycle): on/on median {statistics.median(same_on):.3f}, off/off median "
-          f"{statistics.median(same_off):.3f}")
+          f"{'on' if args.checkpointing else 'off'}; {len(step_time['wall'][True])} steps with replay, "
+          f"{len(step_time['wall'][False])} without (old-logprob forward + loss forward/backward per step)")
+    for c in clocks:
+        on, off = step_time[c][True], step_time[c][False]
+        n = min(len(on), len(off)) // 2 * 2
+        pairs = [(on[i] + on[i + 1]) / (off[i] + off[i + 1]) for i in range(0, n, 2)]
+        same_on = [on[i] / on[i + 1] for i in range(0, n, 2)]
+        same_off = [off[i] / off[i + 1] for i in range(0, n, 2)]
+        q = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else [pairs[0]] * 3
+        print(f"{c:4s} time: median {statistics.median(on) * 1e3:.1f} ms with replay, {statistics.median(off) * 1e3:.1f} "
+              f"ms without; ratio {statistics.median(on) / statistics.median(off):.3f} (medians of the arms), "
+              f"{statistics.median(pairs):.3f} (median of {len(pairs)} cycle ratios, quartiles {q[0]:.3f}-{q[2]:.3f}); "
+              f"noise: on/on {statistics.median(same_on):.3f}, off/off {statistics.median(same_off):.3f}")
     print(f"replay counts {dict(trainer.replay_counts)}")
     return 0
 
