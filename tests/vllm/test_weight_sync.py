@@ -24,7 +24,7 @@ pytestmark = pytest.mark.vllm
 
 SYNCS = 3
 NUM_MOE_LAYERS = 2  # the tiny qwen3_moe
-KEYS = {"extra_args": {"routed_experts_output": "keys"}}
+KEYS = {"routed_experts_output": "keys"}  # (a request field: the manifest instead of rows)
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +185,7 @@ def _manifest_keys(completion_owner: Any) -> set[str]:
 def _run_keys(llm: Any, prompt: list[int]) -> tuple[Any, set[str]]:
     from vllm import SamplingParams
 
-    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, detokenize=False, **KEYS)
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, detokenize=False, extra_args=dict(KEYS))
     (out,) = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
     return out, _manifest_keys(out)
 
