@@ -21,7 +21,7 @@ pytestmark = pytest.mark.vllm
 
 PROMPTS = ["the router", "a mixture of experts layer picks", "reward", "1 2 3 4 5 6", "what is the weather like",
            "step by step", "ka to ri", "policy value gradient"]
-ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "VLLM_ENABLE_V1_MULTIPROCESSING")  # vLLM sets the last for external_launcher
 
 
 def _config(out: str, **kw) -> R3GRPOConfig:
