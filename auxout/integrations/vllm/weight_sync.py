@@ -121,6 +121,7 @@ def install_prepack_repair(model: Any) -> int:
 
         method.process_weights_after_loading = process
         method._auxout_prepack_repair = True
+        method._auxout_unrepaired = original  # (vLLM's own, for comparisons)
     return n
 
 
