@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+import weakref
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -257,20 +258,28 @@ def _hf_config(engine: Any) -> Any:
     return engine.model_config.hf_config
 
 
-_META_MODELS: dict[int, Any] = {}
+_META_MODELS: dict[int, tuple[weakref.ref[Any], Any]] = {}  # id(config) -> (config, meta model)
 
 
 def _meta_model(config: Any) -> Any:
     """A transformers model of ``config`` on the meta device (no memory): what
-    ``revert_weight_conversion`` reads its conversions from when no model is given."""
-    key = id(config)
-    if key not in _META_MODELS:
-        import torch
-        from transformers import AutoModelForCausalLM
+    ``revert_weight_conversion`` reads its conversions from when no model is given. Kept while
+    that config object lives (configs are unhashable: by id, checked against a weak reference)."""
+    entry = _META_MODELS.get(id(config))
+    if entry is not None and entry[0]() is config:
+        return entry[1]
+    import torch
+    from transformers import AutoModelForCausalLM
 
-        with torch.device("meta"):
-            _META_MODELS[key] = AutoModelForCausalLM.from_config(config)
-    return _META_MODELS[key]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    key, models = id(config), _META_MODELS
+
+    def forget(_ref: Any) -> None:  # (the config is gone: its id may be reused)
+        models.pop(key, None)
+
+    _META_MODELS[key] = (weakref.ref(config, forget), model)
+    return model
 
 
 def checkpoint_named(
