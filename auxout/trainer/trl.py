@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import sys
 import warnings
 from collections import Counter
@@ -47,12 +48,20 @@ from typing import Any
 import numpy as np
 import torch
 
+from auxout.errors import AuxOutError
+from auxout.trainer.hf import SENTINEL, MoELayers, RouteRecorder, moe_layers, replay, route_row_problems
+
+# TRL sets VLLM_LOGGING_LEVEL=ERROR for the whole process when imported, which would hide vLLM's and
+# auxout's startup warnings (e.g. routes that cannot travel with external KV) from every later engine
+_vllm_logging_level = os.environ.get("VLLM_LOGGING_LEVEL")
 with warnings.catch_warnings():  # TRL 1.16 names vLLM <= 0.31 as supported; this module is tested with 0.32
     warnings.filterwarnings("ignore", message="TRL currently supports vLLM versions")
     from trl import GRPOConfig, GRPOTrainer
+if _vllm_logging_level is None:
+    os.environ.pop("VLLM_LOGGING_LEVEL", None)
+else:
+    os.environ["VLLM_LOGGING_LEVEL"] = _vllm_logging_level
 
-from auxout.errors import AuxOutError
-from auxout.trainer.hf import SENTINEL, MoELayers, RouteRecorder, moe_layers, replay, route_row_problems
 
 TESTED_TRL = "1.16"
 """The TRL minor this module is written against (its generation and batch internals move between minors)."""

@@ -235,6 +235,9 @@ def _inputs(n: int = 4) -> list[dict]:
     ],
 )
 def test_bad_routes_fail_the_step_naming_sample_and_position(main_run, corrupt, message):
+    if corrupt == "repeat" and main_run._r3_model_layers(main_run.model).top_k < 2:
+        pytest.skip("a top-1 model's rows cannot repeat an expert (covered by the route checks' unit tests)")
+
     def rollout(prompts, trainer):
         ids, comp, lps, routes = _engine_rollout(trainer, prompts)
         r = routes[1].astype(np.int64)
