@@ -230,14 +230,11 @@ def _inputs(n: int = 4) -> list[dict]:
         ("layers", r"sample 1 .*routes have \d+ layers, the model has \d+ MoE layers"),
         ("topk", r"sample 1 .*routes have top-k (\d+), the model routes top_k=\d+"),
         ("range", r"sample 1 .*position 2, MoE layer 1 = .* outside \[0, \d+\)"),
-        ("repeat", r"sample 1 .*position 3, MoE layer 0 = .* repeats an expert"),
         ("tokens", r"sample 1 \(\d+ tokens\): no routes from position (\d+): its tokens differ .* at position \1"),
     ],
 )
 def test_bad_routes_fail_the_step_naming_sample_and_position(main_run, corrupt, message):
-    if corrupt == "repeat" and main_run._r3_model_layers(main_run.model).top_k < 2:
-        pytest.skip("a top-1 model's rows cannot repeat an expert (covered by the route checks' unit tests)")
-
+    """(A row repeating an expert needs top_k >= 2: test_trl_routes.py checks it; this model routes top-1.)"""
     def rollout(prompts, trainer):
         ids, comp, lps, routes = _engine_rollout(trainer, prompts)
         r = routes[1].astype(np.int64)
@@ -253,8 +250,6 @@ def test_bad_routes_fail_the_step_naming_sample_and_position(main_run, corrupt, 
             r = np.concatenate([r, r[..., :1]], axis=-1)
         elif corrupt == "range":
             r[2, 1, 0] = main_run._r3_model_layers(main_run.model).num_experts
-        elif corrupt == "repeat":
-            r[3, 0, 1] = r[3, 0, 0]
         out[ROUTES_KEY] = [*routes[:1], r, *routes[2:]]
         return out
 
