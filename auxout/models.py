@@ -164,20 +164,26 @@ def build_tiny_moe(arch: str = "qwen3_moe", *, seed: int = 0, path: str | os.Pat
             if type(module).__name__.endswith(("TopKRouter", "TopkRouter")):
                 w = module.weight
                 w.copy_(torch.randn(w.shape, generator=gen, dtype=torch.float32) * std)
+    return _save_atomically(model, cfg.vocab_size, out, arch, seed)
+
+
+def _save_atomically(model: Any, vocab_size: int, out: Path, tag: str, seed: int) -> str:
+    """Save a built model and its tokenizer to ``out`` through a temporary directory, so that
+    processes building the same model at once leave one complete copy (the first to finish)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
         model.save_pretrained(tmp, safe_serialization=True)
-        write_tokenizer(tmp, cfg.vocab_size)
-        (tmp / COMPLETE_MARKER).write_text(json.dumps({"arch": arch, "seed": seed, "version": FORMAT_VERSION}))
-        if _is_complete(out, arch, seed):  # another process won the race: keep its copy
+        write_tokenizer(tmp, vocab_size)
+        (tmp / COMPLETE_MARKER).write_text(json.dumps({"arch": tag, "seed": seed, "version": FORMAT_VERSION}))
+        if _is_complete(out, tag, seed):  # another process won the race: keep its copy
             return str(out)
         if out.exists():
             shutil.rmtree(out)
         try:
             os.replace(tmp, out)
         except OSError:
-            if not _is_complete(out, arch, seed):
+            if not _is_complete(out, tag, seed):
                 raise
     finally:
         if tmp.exists():
@@ -286,22 +292,4 @@ def build_routing_moe(*, seed: int = 0, path: str | os.PathLike[str] | None = No
         for name, p in model.named_parameters():
             if ".experts." in name:
                 p.mul_(scale)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        write_tokenizer(tmp, cfg.vocab_size)
-        (tmp / COMPLETE_MARKER).write_text(json.dumps({"arch": tag, "seed": seed, "version": FORMAT_VERSION}))
-        if _is_complete(out, tag, seed):  # another process won the race: keep its copy
-            return str(out)
-        if out.exists():
-            shutil.rmtree(out)
-        try:
-            os.replace(tmp, out)
-        except OSError:
-            if not _is_complete(out, tag, seed):
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return str(out)
+    return _save_atomically(model, cfg.vocab_size, out, tag, seed)
