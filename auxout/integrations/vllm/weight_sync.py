@@ -194,6 +194,27 @@ def _decode(payload: Any) -> list[tuple[str, Any]]:
     return out
 
 
+def _in_engine_dtype(weights: list[tuple[str, Any]], model: Any) -> list[tuple[str, Any]]:
+    """Floating tensors cast to the dtype every floating parameter of ``model`` has (a trainer's
+    fp32 master weights into a bf16 engine): the same rounding vLLM's loaders apply when they copy,
+    done once here instead of one dtype warning per tensor per sync. Left as they are when the
+    engine keeps parameters in several floating dtypes."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if len(dtypes) != 1:
+        return weights
+    (dtype,) = dtypes
+    return [(n, t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t) for n, t in weights]
+
+
+class _RotaryReloadFilter(logging.Filter):
+    """Drops vLLM's "RotaryEmbedding: Failed to load weights" on a layerwise reload: the rotary
+    cache is computed, never in a checkpoint, so it warns on every reload of every model."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (args[:1] == ("RotaryEmbedding",) and "Failed to load" in str(record.msg))
+
+
 def load_on_worker(worker: Any, payload: Any) -> dict[str, int]:
     """Load checkpoint-named tensors into a worker's model in place, repairing the MoE prepack.
 
@@ -203,13 +224,19 @@ def load_on_worker(worker: Any, payload: Any) -> dict[str, int]:
     """
     weights = _decode(payload)
     model = worker.model_runner.get_model()
+    weights = _in_engine_dtype(weights, model)
     install_prepack_repair(model)
     before = repacked_count()
+    quiet = _RotaryReloadFilter()
+    layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    layerwise.addFilter(quiet)
     try:
         worker.reload_weights(weights_iterator=weights)
     except Exception:
         _restore_after_failed_reload(worker, model)
         raise
+    finally:
+        layerwise.removeFilter(quiet)
     return {"num_tensors": len(weights), "moe_layers_repacked": repacked_count() - before}
 
 
