@@ -6,7 +6,7 @@ import importlib
 import sys
 
 COMMANDS = {
-    "serve": ("auxout.integrations.vllm.serve", "OpenAI-compatible vLLM server with routed experts"),
+    "serve": ("auxout.vllm.server.serve", "OpenAI-compatible vLLM server with routed experts"),
     "verify": ("auxout.trainer.verify", "rollout vs training routing agreement with and without replay"),
     "demo": ("auxout.demo", "multi-turn rollout with routes verified against an oracle"),
     "rl": ("auxout.trainer.rl_demo", "GRPO with routing replay (TRL + vLLM) on a toy task, KL with and without replay"),

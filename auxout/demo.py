@@ -175,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from auxout.models import build_tiny_moe
+    from auxout.testing.models import build_tiny_moe
 
     path = build_tiny_moe(args.arch, seed=args.seed)
     steps = args.turns * (1 if args.no_baseline else 2)

@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from auxout.integrations.vllm import capture as capture_mod
-from auxout.integrations.vllm.capture import RouteCapture
 from auxout.profile import RouteProfile
+from auxout.vllm.workers import capture as capture_mod
+from auxout.vllm.workers.capture import RouteCapture
 
 
 class _Router:

@@ -29,11 +29,11 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from auxout.connector.scheduler import SchedulerConnector
+from auxout.connector.worker import WorkerConnector
 from auxout.keys import KeySpace
 from auxout.profile import RouteProfile
-from auxout.scheduler_connector import SchedulerConnector
 from auxout.stores import make_store
-from auxout.worker_connector import WorkerConnector
 
 _EVICT = np.ones(96 << 20, dtype=np.uint8)
 

@@ -21,7 +21,7 @@ the engine's own bookkeeping are not. Reported numbers are medians over repeats,
 vLLM runs are interleaved so machine noise hits both alike.
 
 auxout's worker connector checks every step's rows for ids no router can produce
-(``auxout.row_check``, as vLLM's worker builds it; the rows fed in are ones a router can produce):
+(``auxout.connector.row_check``, as vLLM's worker builds it; the rows fed in are ones a router can produce):
 the check's own time, which is part of auxout's cost, is printed as its share of that cost.
 ``--unchecked`` adds a row for auxout without the check, and the paired ratio of the two.
 
@@ -50,15 +50,15 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from auxout.held_rows import HeldRows
+from auxout.connector.held_rows import HeldRows
+from auxout.connector.messages import StepOutput
+from auxout.connector.row_check import RowCheck
+from auxout.connector.scheduler import SchedulerConnector
+from auxout.connector.worker import WorkerConnector
 from auxout.keys import KeySpace
-from auxout.metadata import StepOutput
 from auxout.profile import RouteProfile
-from auxout.row_check import RowCheck
-from auxout.scheduler_connector import SchedulerConnector
-from auxout.store_rows import join_rows
 from auxout.stores import ArenaStore, BackgroundStore, make_store
-from auxout.worker_connector import WorkerConnector
+from auxout.stores.rows import join_rows
 
 PROFILE = RouteProfile(48, 8, 128)
 BLOCK = 16

@@ -18,11 +18,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dataplane  # noqa: E402
 from engine_hooks import TIMES, timed  # noqa: E402
 
+from auxout.connector.scheduler import SchedulerConnector  # noqa: E402
+from auxout.connector.worker import WorkerConnector  # noqa: E402
 from auxout.keys import ChainKeys, KeySpace  # noqa: E402
-from auxout.scheduler_connector import SchedulerConnector  # noqa: E402
 from auxout.stores.arena import ArenaStore  # noqa: E402
 from auxout.stores.background import BackgroundStore  # noqa: E402
-from auxout.worker_connector import WorkerConnector  # noqa: E402
 
 TIMED: tuple[tuple[type, tuple[str, ...]], ...] = (
     (WorkerConnector, ("begin_step", "prepare_output", "process_output", "_commit", "_put", "_publish",

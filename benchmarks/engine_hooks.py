@@ -86,7 +86,7 @@ def install_in_process() -> None:
 
     out = f"{os.environ[_OUT_ENV]}.{os.getpid()}.json"
     instrument(True)
-    from auxout.metadata import StepMetadata, StepOutput
+    from auxout.connector.messages import StepMetadata, StepOutput
 
     timed(StepOutput, "__getstate__", "auxout StepOutput.__getstate__ (worker: pickle)")
     timed(StepOutput, "__setstate__", "auxout StepOutput.__setstate__ (engine core: unpickle)")
@@ -119,8 +119,9 @@ def instrument(routes: bool) -> None:
     timed(CPUWorker, "sample_tokens", "vLLM CPUWorker.sample_tokens")
     if not routes:
         return
-    from auxout.integrations.vllm import capture, scheduler, worker
-    from auxout.worker_connector import WorkerConnector
+    from auxout.connector.worker import WorkerConnector
+    from auxout.vllm.engine_core import scheduler
+    from auxout.vllm.workers import capture, worker
 
     timed(worker.AuxoutWorkerMixin, "execute_model", "auxout execute_model wrapper (total)")
     timed(worker.AuxoutWorkerMixin, "sample_tokens", "auxout sample_tokens wrapper (total)")
@@ -155,7 +156,7 @@ def run(args: argparse.Namespace, routes: bool) -> None:
     import numpy as np
     from vllm import LLM, SamplingParams
 
-    from auxout.models import build_sized_moe, build_tiny_moe
+    from auxout.testing.models import build_sized_moe, build_tiny_moe
     from auxout.vllm import engine_kwargs
 
     if not mp:

@@ -13,7 +13,7 @@ machine one engine's throughput has drifted by 20% over a run while the other he
 counted), the processes alternating on/off then off/on; the machine's speed then moves between
 processes instead, so use several pairs.
 
-``--size realistic`` runs a 16-layer, 64-expert, hidden-1024 Qwen3-MoE (``auxout.models.SIZES``),
+``--size realistic`` runs a 16-layer, 64-expert, hidden-1024 Qwen3-MoE (``auxout.testing.models.SIZES``),
 whose step takes tens of ms, instead of the tiny model (target there: >= 0.99). For where the
 time goes, run it under a sampling profiler, e.g.
 ``py-spy record --subprocesses -o out.svg -- python benchmarks/engine_overhead.py --pairs 2``.
@@ -61,7 +61,7 @@ def run_once(llm: Any, args: argparse.Namespace, rep: int) -> float:
 
 
 def model_path(args: argparse.Namespace) -> str:
-    from auxout.models import build_sized_moe, build_tiny_moe
+    from auxout.testing.models import build_sized_moe, build_tiny_moe
 
     return build_tiny_moe(args.arch) if args.size == "tiny" else build_sized_moe(args.size)
 
@@ -105,7 +105,7 @@ def separate(args: argparse.Namespace) -> int:
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     """The model and batch every engine benchmark here runs (the same defaults everywhere)."""
     p.add_argument("--arch", default="qwen3_moe")
-    p.add_argument("--size", default="tiny", help="tiny, or a preset of auxout.models.SIZES (qwen3_moe)")
+    p.add_argument("--size", default="tiny", help="tiny, or a preset of auxout.testing.models.SIZES (qwen3_moe)")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--prompt", type=int, default=256)
     p.add_argument("--gen", type=int, default=128)

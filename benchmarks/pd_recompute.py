@@ -59,7 +59,7 @@ def main() -> int:
 
     import redis
 
-    from auxout.models import build_tiny_moe
+    from auxout.testing.models import build_tiny_moe
     from auxout.testing.servers import redis_server
 
     model = build_tiny_moe(args.arch)

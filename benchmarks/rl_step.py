@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.model:
         path = args.model
     else:
-        from auxout.models import build_routing_moe
+        from auxout.testing.models import build_routing_moe
 
         path = build_routing_moe()
     cfg = R3GRPOConfig(

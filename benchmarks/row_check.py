@@ -40,8 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import dataplane as dp  # noqa: E402
 
+from auxout.connector.row_check import RowCheck  # noqa: E402
 from auxout.profile import RouteProfile  # noqa: E402
-from auxout.row_check import RowCheck  # noqa: E402
 
 SHAPES = [  # (label, layers, top_k, experts, weights)
     ("48 x top-8 of 128 (the data plane's)", 48, 8, 128, False),
@@ -102,10 +102,10 @@ class BareMax(RowCheck):
 
 
 def previous_check(rev: str) -> Any:
-    """``RowCheck`` as ``auxout/row_check.py`` was at git revision ``rev`` (loaded as a module of its own)."""
+    """``RowCheck`` as ``auxout/connector/row_check.py`` was at git revision ``rev`` (loaded as a module of its own)."""
     root = Path(__file__).resolve().parent.parent
     source = subprocess.run(
-        ["git", "show", f"{rev}:auxout/row_check.py"], cwd=root, check=True, capture_output=True, text=True
+        ["git", "show", f"{rev}:auxout/connector/row_check.py"], cwd=root, check=True, capture_output=True, text=True
     ).stdout
     where = Path(tempfile.mkdtemp(prefix="row_check_"))
     (where / "previous_row_check.py").write_text(source)
@@ -139,7 +139,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--repeats", type=int, default=None, help="replays per workload and variant (median)")
-    ap.add_argument("--against", metavar="REV", help="also the check as auxout/row_check.py was at git revision REV")
+    ap.add_argument("--against", metavar="REV", help="also the check as auxout/connector/row_check.py was at git revision REV")
     args = ap.parse_args()
     reps = 60 if args.quick else 300
     repeats = args.repeats or (3 if args.quick else 9)

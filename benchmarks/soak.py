@@ -104,7 +104,7 @@ class RouteChecker:
         """
         import torch
 
-        from auxout.hf import capture_routes, moe_layers
+        from auxout.trainer.hf import capture_routes, moe_layers
 
         logits: list[torch.Tensor] = []
         with self.lock:  # hooks too: a hook registered by another client thread would see this forward
@@ -154,7 +154,7 @@ class RouteChecker:
         """
         import torch
 
-        from auxout.hf import moe_layers, replay
+        from auxout.trainer.hf import moe_layers, replay
 
         n = len(tokens) - 1
         routes = np.full((n, *got.shape[1:]), -1, dtype=np.int64)  # (rows before start: the router decides)
@@ -514,7 +514,7 @@ def main() -> int:
     args = p.parse_args()
     off_duration = args.duration / 4 if args.off_duration is None else args.off_duration
 
-    from auxout.models import build_tiny_moe
+    from auxout.testing.models import build_tiny_moe
 
     path = build_tiny_moe(args.arch)
     common = [

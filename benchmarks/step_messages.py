@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from auxout.metadata import StepMetadata, StepOutput
+from auxout.connector.messages import StepMetadata, StepOutput
 from auxout.profile import RouteProfile
 
 

@@ -49,8 +49,8 @@ if os.environ.get({env!r}):
 
 def install_switch() -> None:
     """Make auxout's vLLM classes follow the flag file (in each engine process, from sitecustomize)."""
-    from auxout.integrations.vllm.scheduler import AuxoutScheduler
-    from auxout.integrations.vllm.worker import AuxoutWorkerMixin
+    from auxout.vllm.engine_core.scheduler import AuxoutScheduler
+    from auxout.vllm.workers.worker import AuxoutWorkerMixin
 
     with open(os.environ[_FLAG_ENV], "r+b") as f:
         flag = mmap.mmap(f.fileno(), 1)
@@ -120,9 +120,9 @@ _PHASES = (  # (class path, method, label): vLLM's own phases, and auxout's over
     ("vllm.v1.core.sched.scheduler:Scheduler", "update_from_output", "vLLM Scheduler.update_from_output"),
     ("vllm.v1.worker.cpu_worker:CPUWorker", "execute_model", "vLLM CPUWorker.execute_model (forward)"),
     ("vllm.v1.worker.cpu_worker:CPUWorker", "sample_tokens", "vLLM CPUWorker.sample_tokens"),
-    ("auxout.integrations.vllm.scheduler:AuxoutScheduler", "update_from_output", "auxout+vLLM update_from_output"),
-    ("auxout.integrations.vllm.worker:AuxoutWorkerMixin", "execute_model", "auxout+vLLM execute_model"),
-    ("auxout.integrations.vllm.worker:AuxoutWorkerMixin", "sample_tokens", "auxout+vLLM sample_tokens"),
+    ("auxout.vllm.engine_core.scheduler:AuxoutScheduler", "update_from_output", "auxout+vLLM update_from_output"),
+    ("auxout.vllm.workers.worker:AuxoutWorkerMixin", "execute_model", "auxout+vLLM execute_model"),
+    ("auxout.vllm.workers.worker:AuxoutWorkerMixin", "sample_tokens", "auxout+vLLM sample_tokens"),
 )
 
 

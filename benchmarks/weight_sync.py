@@ -33,7 +33,7 @@ ORDER = ("reload", "update", "update", "reload")
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="checkpoint directory (default: the tiny qwen3_moe, or --size)")
-    p.add_argument("--size", help="an auxout.models.SIZES preset instead of the tiny model")
+    p.add_argument("--size", help="an auxout.testing.models.SIZES preset instead of the tiny model")
     p.add_argument("--syncs", type=int, default=24)
     p.add_argument("--dtype", default="float32")
     args = p.parse_args(argv)
@@ -48,8 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     from vllm import LLM
 
     import auxout.vllm
-    from auxout.integrations.vllm import weight_sync
-    from auxout.models import build_sized_moe, build_tiny_moe
+    from auxout.testing.models import build_sized_moe, build_tiny_moe
+    from auxout.vllm import weight_sync
 
     path = args.model or (build_sized_moe(args.size) if args.size else build_tiny_moe("qwen3_moe"))
     llm = LLM(model=path, distributed_executor_backend="external_launcher", skip_tokenizer_init=True,

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from auxout.integrations.vllm.config import weights_digest
+from auxout.vllm.config import weights_digest
 
 
 def plain_sum_digest(model: torch.nn.Module) -> str:

@@ -45,7 +45,7 @@ def tiny_routes(total: int) -> tuple[np.ndarray, np.ndarray, int]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from auxout.models import build_tiny_moe
+    from auxout.testing.models import build_tiny_moe
 
     model = AutoModelForCausalLM.from_pretrained(build_tiny_moe("qwen3_moe"), dtype=torch.float32).eval()
     tokens = np.random.default_rng(0).integers(3, 1000, size=total).tolist()

@@ -39,7 +39,7 @@ def engine(model: str, kv_dir: str, role: str, redis_url: str):  # type: ignore[
 def main() -> None:
     from vllm import SamplingParams
 
-    from auxout.models import build_tiny_moe
+    from auxout.testing.models import build_tiny_moe
     from auxout.testing.servers import redis_server
 
     model = build_tiny_moe("qwen3_moe")

@@ -5,7 +5,7 @@ CUDA build of vLLM installed:
 
     VLLM_ENABLE_V1_MULTIPROCESSING=0 python scripts/gpu_check_async.py
 
-It builds the tiny random Qwen3-MoE checkpoint (``auxout.models.build_tiny_moe``), then:
+It builds the tiny random Qwen3-MoE checkpoint (``auxout.testing.models.build_tiny_moe``), then:
 
 1. starts an engine with ``engine_kwargs()`` and no scheduling flag, and asserts that vLLM
    resolved ``async_scheduling=True`` and that the engine core runs ``AuxoutAsyncScheduler``
@@ -152,8 +152,8 @@ def main() -> int:
     assert torch.cuda.is_available(), "this check needs a CUDA GPU"
     from routes_oracle import Oracle
 
-    from auxout.integrations.vllm.async_scheduler import AuxoutAsyncScheduler
-    from auxout.models import build_tiny_moe
+    from auxout.vllm.engine_core.async_scheduler import AuxoutAsyncScheduler
+    from auxout.testing.models import build_tiny_moe
 
     path = build_tiny_moe("qwen3_moe")
     oracle = Oracle(path)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from auxout.models import build_tiny_moe
+from auxout.testing.models import build_tiny_moe
 from auxout.trainer.hf import capture_routes, moe_layers, replay
 
 ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3"]

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from auxout.integrations.vllm.weight_sync import (
+from auxout.testing.models import VLLM_ARCHS, build_tiny_moe
+from auxout.vllm.weight_sync import (
     WeightSyncError,
     _decode,
     _encode,
@@ -20,7 +21,6 @@ from auxout.integrations.vllm.weight_sync import (
     generation_digest,
     tensor_digest,
 )
-from auxout.models import VLLM_ARCHS, build_tiny_moe
 
 
 @pytest.mark.parametrize("arch", VLLM_ARCHS)

@@ -8,6 +8,7 @@ from auxout.credentials import redact
 from auxout.stores.arena import ArenaStore
 from auxout.stores.background import BackgroundStore
 from auxout.stores.base import BlockStore, check_seconds
+from auxout.stores.open import open_store
 from auxout.stores.policy import EvictionPolicy, LRUPolicy
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "STORE_OPTIONS",
     "check_store_options",
     "make_store",
+    "open_store",
     "sweep_stale",
 ]
 

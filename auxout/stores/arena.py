@@ -17,9 +17,9 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from auxout.errors import CorruptObjectError, StoreClosedError
-from auxout.store_rows import StoreRows
 from auxout.stores.base import BlockObjects, StoreObject
 from auxout.stores.policy import EvictionPolicy
+from auxout.stores.rows import StoreRows
 from auxout.stores.slots import SlotIndex, write_slots
 
 

@@ -36,7 +36,6 @@ from auxout.errors import (
     StoreUnavailableError,
 )
 from auxout.metrics import COUNTS, store_backend
-from auxout.store_rows import StoreRows
 from auxout.stores.base import (
     BlockStore,
     StoreObject,
@@ -46,6 +45,7 @@ from auxout.stores.base import (
     read_into,
     trusted_batch,
 )
+from auxout.stores.rows import StoreRows
 
 INLINE_MAX_RELEASES = 128
 _Item = tuple[int, Sequence[StoreObject], tuple[str, ...], tuple[str, ...]]

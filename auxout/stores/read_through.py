@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from auxout.errors import BlockStoreError, CorruptObjectError
 from auxout.stores.base import BlockStore, StoreObject, raise_missing
+from auxout.stores.open import open_store
 
 
 class ReadThroughStore:
@@ -86,8 +87,6 @@ def _reader(readers: dict[str, BlockStore], address: str, object_nbytes: int) ->
     """The open reader of a peer's store, reopened when the peer replaced it (a restarted engine
     creates its segment anew under the same name); None while it cannot be opened (the peer
     starts later, or is restarting: tried again on the next read)."""
-    from auxout.manifest import open_store
-
     reader = readers.get(address)
     replaced = getattr(reader, "replaced", None)
     if reader is not None and replaced is not None and replaced():

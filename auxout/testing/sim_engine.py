@@ -22,17 +22,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from auxout.connector.held_rows import HeldRows
+from auxout.connector.keys_output import KeysPublisher, store_address
+from auxout.connector.messages import StepMetadata, StepOutput
+from auxout.connector.row_check import RowCheck
+from auxout.connector.scheduler import SchedulerConnector
+from auxout.connector.worker import PendingStep, WorkerConnector
 from auxout.errors import RoutesUnavailableError
-from auxout.held_rows import HeldRows
 from auxout.keys import KeySpace
-from auxout.keys_output import KeysPublisher, store_address
 from auxout.manifest import RouteManifest
-from auxout.metadata import StepMetadata, StepOutput
-from auxout.row_check import RowCheck
-from auxout.scheduler_connector import SchedulerConnector
 from auxout.stores import ArenaStore, BackgroundStore, BlockStore
 from auxout.testing.fake_moe import FakeMoE
-from auxout.worker_connector import PendingStep, WorkerConnector
 
 _NONE_HASH = hashlib.sha256(b"auxout-sim").digest()
 
@@ -270,7 +270,7 @@ class SimEngine:
         ``weights_digest``: names each generation after a reset by the weights (``KeySpace.weights``),
         as vLLM's worker does for a shared store (swap ``model`` and reset to update weights).
         ``row_check``: check every step's rows for ids no router can produce, as vLLM's worker
-        does (``auxout.row_check``)."""
+        does (``auxout.connector.row_check``)."""
         self.model = model
         self.kv_connector = kv_connector
         self.on_finish = on_finish  # called as each request finishes (e.g. fetch its manifest at once)

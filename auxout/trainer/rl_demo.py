@@ -85,7 +85,7 @@ def warm_start(base: str, steps: int, *, seed: int = 0, answer_words: int = 6) -
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from auxout.models import default_cache_dir
+    from auxout.testing.models import default_cache_dir
 
     h = hashlib.sha256(f"{steps}|{seed}|{answer_words}|1".encode())
     for f in sorted(Path(base).glob("*.safetensors")) + [Path(base) / "config.json"]:
@@ -240,7 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.model:
         path = args.model
     else:
-        from auxout.models import build_routing_moe
+        from auxout.testing.models import build_routing_moe
 
         path = build_routing_moe()
     base = path

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from auxout.models import ARCHS
+from auxout.testing.models import ARCHS
 
 ROLLOUTS = ("auto", "vllm", "hf-bf16")
 MIN_OWN_AGREEMENT = 0.5
@@ -72,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", default="qwen3_moe", choices=sorted(ARCHS),
                    help="tiny model architecture when --model is not given")
     p.add_argument("--routing-model", action="store_true",
-                   help="instead of --model/--arch: auxout's routing-sensitive MoE (auxout.models.build_routing_moe), "
+                   help="instead of --model/--arch: auxout's routing-sensitive MoE (auxout.testing.models.build_routing_moe), "
                         "whose routing carries weight (replay then closes most of the KL)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rollout", choices=ROLLOUTS, default="auto",
@@ -233,11 +233,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.model:
         model_path = args.model
     elif getattr(args, "routing_model", False):
-        from auxout.models import build_routing_moe
+        from auxout.testing.models import build_routing_moe
 
         model_path = build_routing_moe(seed=args.seed)
     else:
-        from auxout.models import build_tiny_moe
+        from auxout.testing.models import build_tiny_moe
 
         model_path = build_tiny_moe(args.arch, seed=args.seed)
     train_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()

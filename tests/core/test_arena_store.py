@@ -11,10 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as hs
 
 from auxout.errors import InvariantError, ObjectMissingError, StoreCapacityError, StoreClosedError
-from auxout.store_rows import join_rows
 from auxout.stores import ArenaStore, BlockStore, LRUPolicy, make_store
 from auxout.stores.base import BlockObjects, object_keys
 from auxout.stores.policy import RemoveReason
+from auxout.stores.rows import join_rows
 from auxout.stores.shm import SharedMemoryStore
 from auxout.stores.slots import SlotIndex
 

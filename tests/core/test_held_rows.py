@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from auxout.held_rows import HeldRows
+from auxout.connector.held_rows import HeldRows
 
 
 @given(sizes=st.lists(st.integers(0, 5), max_size=40), every=st.integers(2, 6))
@@ -48,7 +48,7 @@ def test_requests_are_independent_and_discard_forgets() -> None:
 
 def test_store_rows_gather_into_any_destination_and_join_with_arrays() -> None:
     """``StoreRows`` slices gather exactly, into contiguous and strided destinations alike."""
-    from auxout.store_rows import StoreRows, join_rows
+    from auxout.stores.rows import StoreRows, join_rows
 
     rng = np.random.default_rng(4)
     arena = rng.integers(0, 255, (6, 4, 3, 2), dtype=np.uint8)  # 6 slots of 4-row blocks

@@ -9,8 +9,8 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
+from auxout.connector.messages import StepMetadata, StepOutput
 from auxout.keys import PackedHashes
-from auxout.metadata import StepMetadata, StepOutput
 from auxout.profile import RouteProfile
 
 

@@ -72,8 +72,8 @@ def test_dtype_names_and_manifests_with_weights():
 
 
 def test_a_store_never_mixes_routes_with_and_without_weights():
-    from auxout.integrations.vllm.config import route_keyspace
-    from auxout.integrations.vllm.options import VllmOptions
+    from auxout.vllm.config import route_keyspace
+    from auxout.vllm.options import VllmOptions
 
     mc = SimpleNamespace(
         model="/m", hf_text_config=SimpleNamespace(num_hidden_layers=4),

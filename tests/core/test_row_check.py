@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from auxout.connector.row_check import RowCheck
 from auxout.profile import RouteProfile
-from auxout.row_check import RowCheck
 
 EXPERTS = [1, 2, 3, 8, 16, 60, 64, 127, 128, 129, 200, 255, 256, 257, 384, 65536]
 

@@ -10,12 +10,12 @@ from fake_requests import Req, h
 from hypothesis import given
 from hypothesis import strategies as st
 
+from auxout.connector.messages import NO_EMIT, StepOutput
+from auxout.connector.scheduler import SchedulerConnector, validate_prompt_start
 from auxout.errors import InvariantError, RequestValidationError, RoutesUnavailableError
-from auxout.metadata import NO_EMIT, StepOutput
 from auxout.profile import RouteProfile
-from auxout.scheduler_connector import SchedulerConnector, validate_prompt_start
-from auxout.store_rows import StoreRows, join_rows
 from auxout.stores import ArenaStore
+from auxout.stores.rows import StoreRows, join_rows
 from auxout.testing import FakeMoE
 
 PROF = RouteProfile(num_layers=3, top_k=2, num_experts=16)

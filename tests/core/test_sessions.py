@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from auxout.sessions import SessionStore, common_prefix_len
+from auxout.vllm.server.sessions import SessionStore, common_prefix_len
 
 
 @given(st.lists(st.integers(0, 5), max_size=30), st.lists(st.integers(0, 5), max_size=30))
@@ -95,8 +95,8 @@ def test_stitched_session_arrays_equal_a_full_forward(turns, rnd) -> None:  # ty
     without weights cuts them at ``routed_experts_start``. The ids and weights the client holds
     always equal the full forward's over the conversation so far, whatever the turns' weights,
     formats, streaming or rewritten histories."""
-    from auxout.integrations.vllm.http_routes import RouteResponder
-    from auxout.integrations.vllm.options import VllmOptions
+    from auxout.vllm.options import VllmOptions
+    from auxout.vllm.server.responses import RouteResponder
     from auxout.wire import decode_routes
 
     responder = RouteResponder(VllmOptions(routing_weights=True))

@@ -124,7 +124,7 @@ def test_a_weight_sync_mid_request_keeps_the_returned_rows_and_says_where_the_ne
     """Weights updated and the prefix cache reset while a request runs (``reset_running_requests``):
     rows already returned are the old weights', the recompute's follow from ``reset_at``. A
     keys-only request answers inline then, saying why: a manifest names one generation's keys."""
-    from auxout.scheduler_connector import REASON_TWO_GENERATIONS
+    from auxout.connector.scheduler import REASON_TWO_GENERATIONS
 
     old, new = FakeMoE(num_layers=3, top_k=2, num_experts=8, vocab_size=50, seed=1), FakeMoE(
         num_layers=3, top_k=2, num_experts=8, vocab_size=50, seed=2

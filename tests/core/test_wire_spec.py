@@ -17,8 +17,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from wire_spec_decoder import decode, read_manifest, redis_address
 
+from auxout.connector.keys_output import KeysPublisher
 from auxout.keys import KeySpace
-from auxout.keys_output import KeysPublisher
 from auxout.profile import RouteProfile
 from auxout.stores.redis import RedisStore
 from auxout.testing.servers import RedisServer, redis_server

@@ -14,15 +14,15 @@ from fake_requests import Req, h
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 
+from auxout.connector.messages import StepMetadata, StepOutput
+from auxout.connector.scheduler import SchedulerConnector
+from auxout.connector.worker import _LANE_DRAIN_EVERY, PendingStep, WorkerConnector
 from auxout.errors import InvariantError, ObjectMissingError, PoolExhaustedError, RoutesUnavailableError
 from auxout.keys import KeySpace, PackedHashes
-from auxout.metadata import StepMetadata, StepOutput
 from auxout.profile import RouteProfile
-from auxout.scheduler_connector import SchedulerConnector
-from auxout.store_rows import StoreRows, join_rows
 from auxout.stores import ArenaStore, BackgroundStore
+from auxout.stores.rows import StoreRows, join_rows
 from auxout.testing import FakeMoE
-from auxout.worker_connector import _LANE_DRAIN_EVERY, PendingStep, WorkerConnector
 
 PROF = RouteProfile(num_layers=3, top_k=2, num_experts=16)
 BS = 4
@@ -874,7 +874,7 @@ def test_rejected_metadata_creates_no_state_for_other_requests() -> None:
 
 
 def test_output_buffers_are_reused_only_without_live_views() -> None:
-    from auxout.worker_connector import _BufferRecycler
+    from auxout.connector.worker import _BufferRecycler
 
     prof = RouteProfile(3, 2, 40)  # a shape no other test uses: its pool starts empty here
     a_pool, b_pool = _BufferRecycler(prof), _BufferRecycler(prof)

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from auxout.connector.keys_output import KeysPublisher
 from auxout.credentials import (
     PASSWORD_ENV,
     REDIS_URL_ENV,
@@ -24,7 +25,6 @@ from auxout.credentials import (
 )
 from auxout.errors import StoreAuthError
 from auxout.keys import KeySpace
-from auxout.keys_output import KeysPublisher
 from auxout.manifest import RouteManifest, fetch
 from auxout.profile import RouteProfile
 from auxout.stores import check_store_options, make_store

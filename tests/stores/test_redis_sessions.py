@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from auxout.redis_sessions import RedisSessionStore, SessionStoreError
-from auxout.sessions import SessionBusyError, SessionStore
 from auxout.testing.servers import redis_server
+from auxout.vllm.server.redis_sessions import RedisSessionStore, SessionStoreError
+from auxout.vllm.server.sessions import SessionBusyError, SessionStore
 
 W = ("routing_weights",)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from auxout.models import ROUTING_MOE, build_routing_moe, build_tiny_moe
+from auxout.testing.models import ROUTING_MOE, build_routing_moe, build_tiny_moe
 from auxout.trainer.hf import capture_routes, moe_layers, replay
 from auxout.trainer.verify import main
 

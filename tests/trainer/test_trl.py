@@ -81,7 +81,7 @@ def _logged(trainer, key: str) -> list[float]:
 
 @pytest.fixture(scope="module")
 def model_path() -> str:
-    from auxout.models import build_routing_moe
+    from auxout.testing.models import build_routing_moe
 
     return build_routing_moe()
 

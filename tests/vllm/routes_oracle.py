@@ -58,8 +58,8 @@ class Oracle:
 
     def routes(self, tokens: Sequence[int]) -> np.ndarray:
         try:
-            from auxout.hf import capture_routes
-        except ImportError:  # pragma: no cover - before auxout.hf existed
+            from auxout.trainer.hf import capture_routes
+        except ImportError:  # pragma: no cover - before auxout.trainer.hf existed
             capture_routes = _hook_routes
         return capture_routes(self.model, list(tokens))
 

@@ -25,17 +25,17 @@ from typing import Any
 
 import numpy as np
 
+from auxout.connector.worker import WorkerConnector
 from auxout.keys import KeySpace
 from auxout.stores import ArenaStore
 from auxout.testing.fake_moe import FakeMoE
-from auxout.worker_connector import WorkerConnector
 
 
 def _worker_types() -> tuple[type, type]:
     """A worker made of auxout's mixin alone, and a host-side ``AsyncModelRunnerOutput``."""
     from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 
-    from auxout.integrations.vllm.worker import AuxoutWorkerMixin
+    from auxout.vllm.workers.worker import AuxoutWorkerMixin
 
     class HarnessWorker(AuxoutWorkerMixin):
         pass
@@ -114,8 +114,8 @@ class SchedulerHarness:
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
         from vllm.v1.structured_output import StructuredOutputManager
 
-        from auxout.integrations.vllm.async_scheduler import AuxoutSchedulerSelector
-        from auxout.integrations.vllm.options import CONFIG_KEY
+        from auxout.vllm.engine_core.async_scheduler import AuxoutSchedulerSelector
+        from auxout.vllm.options import CONFIG_KEY
 
         cfg = vllm_config(
             model_path, block_size=block_size, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs

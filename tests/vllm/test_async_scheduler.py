@@ -20,7 +20,7 @@ pytestmark = pytest.mark.vllm
 
 @pytest.fixture(scope="module")
 def model_path() -> str:
-    from auxout.models import build_tiny_moe
+    from auxout.testing.models import build_tiny_moe
 
     return build_tiny_moe("qwen3_moe")
 
@@ -38,8 +38,8 @@ def _check(h: SchedulerHarness, done: dict, starts: dict[str, int] | None = None
 def test_selector_builds_on_the_base_the_config_asks_for(model_path):
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
-    from auxout.integrations.vllm.async_scheduler import AuxoutAsyncScheduler
-    from auxout.integrations.vllm.scheduler import AuxoutScheduler
+    from auxout.vllm.engine_core.async_scheduler import AuxoutAsyncScheduler
+    from auxout.vllm.engine_core.scheduler import AuxoutScheduler
 
     sync = SchedulerHarness(model_path, async_scheduling=False)
     asyn = SchedulerHarness(model_path, async_scheduling=True)

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from auxout.errors import InvariantError
-from auxout.integrations.vllm.capture import RouteCapture
 from auxout.profile import RouteProfile
+from auxout.vllm.workers.capture import RouteCapture
 
 pytestmark = pytest.mark.vllm
 

@@ -28,7 +28,7 @@ def _put_checkpoint(src: str, dst: Path) -> None:
 
 
 def test_engine_restarted_on_new_weights_at_the_same_path_routes_them(tmp_path: Path) -> None:
-    from auxout.models import build_tiny_moe
+    from auxout.testing.models import build_tiny_moe
 
     old, new = build_tiny_moe("qwen3_moe", seed=0), build_tiny_moe("qwen3_moe", seed=1)
     ckpt = tmp_path / "ckpt"

@@ -19,7 +19,7 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, 
 
 @pytest.fixture(scope="module")
 def model_path() -> str:
-    from auxout.models import build_tiny_moe
+    from auxout.testing.models import build_tiny_moe
 
     return build_tiny_moe("qwen3_moe")
 

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from auxout.integrations.vllm.capture import RouteCapture
 from auxout.profile import RouteProfile
+from auxout.vllm.workers.capture import RouteCapture
 
 pytestmark = pytest.mark.vllm
 

@@ -20,8 +20,8 @@ import pytest
 from routes_oracle import Oracle, random_prompt
 from serve_proc import auxout_servers
 
-from auxout.sessions import common_prefix_len
 from auxout.testing.servers import redis_server
+from auxout.vllm.server.sessions import common_prefix_len
 from auxout.wire import decode_routes
 
 pytestmark = pytest.mark.vllm
@@ -34,7 +34,7 @@ ROUTE_NS = "fleet"  # the Redis store namespace of route objects (keys "fleet/..
 
 @pytest.fixture(scope="module")
 def model_path() -> str:
-    from auxout.models import build_tiny_moe
+    from auxout.testing.models import build_tiny_moe
 
     return build_tiny_moe("qwen3_moe")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from auxout.integrations.vllm.http_routes import ChoiceRows, _FieldError, _num_prompts, check_route_fields
-from auxout.integrations.vllm.options import VllmOptions
+from auxout.vllm.options import VllmOptions
+from auxout.vllm.server.responses import ChoiceRows, _FieldError, _num_prompts, check_route_fields
 
 ARENA = VllmOptions()
 REDIS = VllmOptions(store="redis", store_options={"url": "redis://h", "namespace": "n"})
@@ -91,7 +91,7 @@ def test_large_routes_are_encoded_off_the_event_loop():
     encoded inline. Either way the fields are those route_fields writes."""
     import asyncio
 
-    from auxout.integrations.vllm.http_routes import OFFLOAD_SLOTS, RouteResponder
+    from auxout.vllm.server.responses import OFFLOAD_SLOTS, RouteResponder
 
     responder = RouteResponder(VllmOptions())
     responder.num_experts = 128

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from routes_oracle import Oracle, close_llm, greedy, make_llm, metric, random_prompt
 
-from auxout import held_rows
-from auxout.store_rows import StoreRows
+from auxout.connector import held_rows
+from auxout.stores.rows import StoreRows
 
 pytestmark = pytest.mark.vllm
 
@@ -26,7 +26,7 @@ KV_BLOCKS = 16  # x 32 tokens
 
 @pytest.fixture(scope="module")
 def model_path() -> str:
-    from auxout.models import build_tiny_moe
+    from auxout.testing.models import build_tiny_moe
 
     return build_tiny_moe("qwen3_moe")
 

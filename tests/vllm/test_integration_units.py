@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from auxout.integrations.vllm.options import (
+from auxout.vllm.options import (
     CONFIG_KEY,
     ENV_VAR,
     VllmOptions,
@@ -52,7 +52,7 @@ def test_engine_kwargs_carry_options():
 
 
 def test_serve_argv_merges_user_additional_config():
-    from auxout.integrations.vllm.serve import vllm_argv
+    from auxout.vllm.server.serve import vllm_argv
 
     argv = vllm_argv(["/m", "--port", "9", "--auxout-namespace", "a", "--additional-config", '{"x": 1}'])
     assert argv[:4] == ["--model", "/m", "--port", "9"]
@@ -66,7 +66,7 @@ def test_request_flag_normalization_and_check():
     from vllm import SamplingParams
     from vllm.exceptions import VLLMValidationError
 
-    from auxout.integrations.vllm.validation import check_request_flag
+    from auxout.vllm.caller.request_checks import check_request_flag
 
     assert normalize_flag(0) is False and normalize_flag(1) is True and normalize_flag(2) == 2
     check_request_flag(SamplingParams(extra_args={"return_routed_experts": 0}), flag_as_int=True)  # behind HTTP
@@ -112,7 +112,7 @@ def test_request_flag_normalization_and_check():
 
 
 def test_rejected_rows_count_only_drafted_requests():
-    from auxout.integrations.vllm.worker import num_rejected_tokens
+    from auxout.vllm.workers.worker import num_rejected_tokens
 
     got = num_rejected_tokens(
         ["a", "b", "c", "d"],
@@ -133,7 +133,7 @@ def test_engine_failure_reason_reaches_the_http_client():
     from vllm.entrypoints.openai.completion import serving as completion
     from vllm.exceptions import GenerationError
 
-    from auxout.integrations.vllm.http_checks import install_failure_reasons
+    from auxout.vllm.server.body_checks import install_failure_reasons
 
     install_failure_reasons()
     # The patch reads its caller's ``output`` local: every vLLM call site must have one.
@@ -157,7 +157,7 @@ def test_mla_on_cpu_start_up_error_says_why():
 
     import torch
 
-    from auxout.integrations.vllm.cpu_worker import check_cpu_config
+    from auxout.vllm.workers.cpu import check_cpu_config
 
     def cfg(use_mla=True, prefix=True, dtype=torch.float32, lora=32, rope=16):
         hf = SimpleNamespace(model_type="deepseek_v3", kv_lora_rank=lora, qk_rope_head_dim=rope)
@@ -192,9 +192,9 @@ def test_weights_rows_need_the_frontend_split(caplog):
     validation marks it); a plain frontend asking for weights gets the ids alone and a warning."""
     from types import SimpleNamespace
 
-    from auxout.integrations.vllm import scheduler as bridge
-    from auxout.integrations.vllm.options import WEIGHTS_FLAG, WEIGHTS_SPLIT
     from auxout.profile import RouteProfile, rows_from_bytes
+    from auxout.vllm.engine_core import scheduler as bridge
+    from auxout.vllm.options import WEIGHTS_FLAG, WEIGHTS_SPLIT
 
     prof = RouteProfile(2, 4, 16, weights=True)
     rows = prof.empty(3)
@@ -218,9 +218,9 @@ def test_weights_rows_need_the_frontend_split(caplog):
 
 
 def test_scheduler_opens_one_client_for_the_publisher_and_the_prefix_check() -> None:
-    from auxout.integrations.vllm.scheduler import SharedStoreClient, make_publisher, make_remote_contains
     from auxout.stores.redis import RedisStore
     from auxout.testing.servers import redis_server
+    from auxout.vllm.engine_core.scheduler import SharedStoreClient, make_publisher, make_remote_contains
 
     with redis_server() as srv:
         opts = VllmOptions(store="redis", store_options={"url": srv.url, "namespace": "one-client"})
@@ -244,7 +244,7 @@ def test_scheduler_opens_one_client_for_the_publisher_and_the_prefix_check() -> 
 
 def test_every_route_field_has_one_place_over_http():
     """A field in the other place is a problem naming it (never ignored); null means unset, anywhere."""
-    from auxout.integrations.vllm.http_checks import IN_XARGS, TOP_LEVEL, body_problem, drop_null_fields
+    from auxout.vllm.server.body_checks import IN_XARGS, TOP_LEVEL, body_problem, drop_null_fields
 
     assert not set(TOP_LEVEL) & set(IN_XARGS)
     good = {"prompt": [1, 2], "routed_experts_prompt_start": 1, "routed_experts_format": "packed",
@@ -298,8 +298,8 @@ def test_every_route_field_has_one_place_over_http():
 
 
 def test_apis_without_routes_name_the_route_field_they_would_ignore():
-    from auxout.integrations.vllm.http_checks import TOP_LEVEL, no_routes_problem
-    from auxout.integrations.vllm.options import OUTPUT_FLAG, REQUEST_FLAG, WEIGHTS_FLAG
+    from auxout.vllm.options import OUTPUT_FLAG, REQUEST_FLAG, WEIGHTS_FLAG
+    from auxout.vllm.server.body_checks import TOP_LEVEL, no_routes_problem
 
     plain = {"input": "hi", "vllm_xargs": {REQUEST_FLAG: False}}  # an opt-out asks for nothing
     assert no_routes_problem("/v1/responses", plain) is None and no_routes_problem("/v1/responses", [1]) is None
@@ -315,7 +315,7 @@ def test_apis_without_routes_name_the_route_field_they_would_ignore():
 def test_token_in_token_out_api_checks_route_fields_where_it_reads_them():
     """``/inference/v1/generate`` reads the prompt start and flags inside ``sampling_params``: a
     wrong type there, or any route field where it would be ignored, is named (not coerced)."""
-    from auxout.integrations.vllm.http_checks import IN_XARGS, TOP_LEVEL, tokens_api_problem
+    from auxout.vllm.server.body_checks import IN_XARGS, TOP_LEVEL, tokens_api_problem
 
     def problem(body: dict) -> tuple[str, str]:
         got = tokens_api_problem({"token_ids": [1, 2], **body})
@@ -367,7 +367,7 @@ def test_a_prompt_filling_the_context_is_named_in_every_openai_server():
     from vllm.entrypoints.serve.utils import api_utils
     from vllm.exceptions import VLLMValidationError
 
-    from auxout.integrations.vllm.http_checks import install_context_length_message
+    from auxout.vllm.server.body_checks import install_context_length_message
 
     original = api_utils.get_max_tokens
     install_context_length_message()
@@ -398,7 +398,7 @@ def test_seeded_chunk_fix_keeps_discarded_generators_and_asks_once_per_step():
 
     import torch
 
-    import auxout.integrations.vllm.cpu_worker as cw
+    import auxout.vllm.workers.cpu as cw
 
     gens = {0: torch.Generator().manual_seed(1), 2: torch.Generator().manual_seed(2)}
     mask = np.array([True, False, False, False])
@@ -441,8 +441,8 @@ def test_a_server_off_by_default_returns_routes_to_a_request_that_sends_a_route_
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
     from vllm.exceptions import VLLMValidationError
 
-    from auxout.integrations.vllm.http_routes import RouteResponder
-    from auxout.integrations.vllm.options import VllmOptions
+    from auxout.vllm.options import VllmOptions
+    from auxout.vllm.server.responses import RouteResponder
 
     responder = RouteResponder(VllmOptions(default_return=False, routing_weights=True))
 
@@ -474,8 +474,8 @@ def test_weights_digest_follows_the_weights_not_the_module_object():
     cannot be taken is "" (routes then stay the engine's own), never an exception."""
     import torch
 
-    from auxout.integrations.vllm.config import weights_digest
     from auxout.keys import KeySpace
+    from auxout.vllm.config import weights_digest
 
     def model(seed: int, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
         torch.manual_seed(seed)
@@ -515,7 +515,7 @@ def test_each_non_streamed_choice_carries_its_own_completions_facts():
     recomputed tokens and inline reason come from its own completion (``completion_fields``)."""
     from types import SimpleNamespace
 
-    from auxout.integrations.vllm.http_routes import RouteResponder
+    from auxout.vllm.server.responses import RouteResponder
 
     responder = RouteResponder(VllmOptions())
     outs = [
@@ -539,7 +539,7 @@ def test_a_stream_whose_routes_fail_to_encode_ends_with_an_error_event_and_is_ab
     import json
     from types import SimpleNamespace
 
-    from auxout.integrations.vllm.http_routes import ChoiceRows, RouteResponder
+    from auxout.vllm.server.responses import ChoiceRows, RouteResponder
 
     closed = []
 
@@ -571,7 +571,7 @@ def test_unreadable_weight_rows_fail_their_own_completion_not_vllms_output_loop(
     rows it cannot read fail that completion (``finish_reason="error"``, the reason in ``stop_reason``)."""
     from vllm.outputs import CompletionOutput
 
-    from auxout.integrations.vllm.weights_output import split_output
+    from auxout.vllm.caller.weights_output import split_output
 
     def completion(rows: np.ndarray, finish: str | None) -> CompletionOutput:
         return CompletionOutput(0, "", [5, 6], None, None, finish_reason=finish, routed_experts=rows)

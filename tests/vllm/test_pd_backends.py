@@ -44,7 +44,7 @@ def shm() -> Iterator[tuple[dict, dict]]:
 
 @pytest.mark.parametrize("backend", [mooncake, shm], ids=["mooncake", "shm"])
 def test_decode_side_routes_through_backend(backend, tmp_path):  # type: ignore[no-untyped-def]
-    from auxout.models import build_tiny_moe
+    from auxout.testing.models import build_tiny_moe
 
     model = build_tiny_moe("qwen3_moe")
     oracle = Oracle(model)

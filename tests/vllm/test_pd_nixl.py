@@ -35,7 +35,7 @@ nixl = pytest.importorskip("nixl", reason="NIXL is installed by scripts/install.
 
 @pytest.fixture(scope="module")
 def model_path() -> str:
-    from auxout.models import build_tiny_moe
+    from auxout.testing.models import build_tiny_moe
 
     return build_tiny_moe("qwen3_moe")
 

@@ -29,7 +29,7 @@ KV_BLOCKS = 12  # x 32 tokens: far less than the batch below needs
 
 @pytest.fixture(scope="module")
 def model_path() -> str:
-    from auxout.models import build_tiny_moe
+    from auxout.testing.models import build_tiny_moe
 
     return build_tiny_moe("mixtral")
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from auxout.integrations.vllm.options import CONFIG_KEY, VllmOptions
-from auxout.integrations.vllm.serve import ServeArgumentError, main, vllm_argv
+from auxout.vllm.options import CONFIG_KEY, VllmOptions
+from auxout.vllm.server.serve import ServeArgumentError, main, vllm_argv
 
 REDIS = {"url": "redis://127.0.0.1:1/0", "namespace": "r3"}
 
@@ -83,9 +83,9 @@ def test_bad_options_fail_at_parse_time_naming_the_option(argv, env, needle):
 
 
 def test_session_store_flags_pick_the_store():
-    from auxout.integrations.vllm.serve import _split, session_store
-    from auxout.redis_sessions import RedisSessionStore
-    from auxout.sessions import SessionStore
+    from auxout.vllm.server.redis_sessions import RedisSessionStore
+    from auxout.vllm.server.serve import _split, session_store
+    from auxout.vllm.server.sessions import SessionStore
 
     _, ours = _split(["/m", "--auxout-max-sessions", "7"], None)
     memory = session_store(ours, "tiny")

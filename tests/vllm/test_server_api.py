@@ -25,8 +25,8 @@ from serve_proc import auxout_server
 from auxout.errors import StoreAuthError
 from auxout.manifest import RouteManifest
 from auxout.manifest import fetch as fetch_with
-from auxout.sessions import common_prefix_len
 from auxout.testing.servers import redis_server
+from auxout.vllm.server.sessions import common_prefix_len
 from auxout.wire import FORMATS, decode_routes
 
 pytestmark = pytest.mark.vllm
@@ -37,7 +37,7 @@ openai = pytest.importorskip("openai")
 
 @pytest.fixture(scope="module")
 def model_path() -> str:
-    from auxout.models import build_tiny_moe
+    from auxout.testing.models import build_tiny_moe
 
     return build_tiny_moe("qwen3_moe")
 

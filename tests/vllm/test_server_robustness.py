@@ -26,7 +26,7 @@ httpx = pytest.importorskip("httpx")
 
 @pytest.fixture(scope="module")
 def model_path() -> str:
-    from auxout.models import build_tiny_moe
+    from auxout.testing.models import build_tiny_moe
 
     return build_tiny_moe("qwen3_moe")
 

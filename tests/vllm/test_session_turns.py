@@ -17,12 +17,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from auxout.integrations.vllm.http_checks import INTERNAL_KEY
-from auxout.integrations.vllm.http_routes import RouteResponder
-from auxout.integrations.vllm.options import VllmOptions
-from auxout.redis_sessions import RedisSessionStore
-from auxout.sessions import SessionStore
 from auxout.testing.servers import free_port, redis_server
+from auxout.vllm.options import VllmOptions
+from auxout.vllm.server.body_checks import INTERNAL_KEY
+from auxout.vllm.server.redis_sessions import RedisSessionStore
+from auxout.vllm.server.responses import RouteResponder
+from auxout.vllm.server.sessions import SessionStore
 
 pytestmark = pytest.mark.vllm
 

@@ -19,7 +19,7 @@ def test_mla_model_on_cpu_says_why_vllm_cpu_cannot_serve_its_routes(capfd):
     """
     import torch
 
-    from auxout.models import build_tiny_moe
+    from auxout.testing.models import build_tiny_moe
 
     path = build_tiny_moe("deepseek_v3")
     with pytest.raises(RuntimeError):
@@ -39,7 +39,7 @@ def test_expert_parallel_over_several_ranks_is_refused_naming_the_layout():
     segfaults in the first forward. One rank (no expert_map) runs, and is let through."""
     from types import SimpleNamespace
 
-    from auxout.integrations.vllm.cpu_worker import check_cpu_config
+    from auxout.vllm.workers.cpu import check_cpu_config
 
     moe = SimpleNamespace(use_mla=False, get_num_experts=lambda: 16)
     dense = SimpleNamespace(use_mla=False, get_num_experts=lambda: 0)
@@ -68,7 +68,7 @@ def test_auxout_serve_refuses_layouts_vllm_cpu_cannot_run_before_any_engine_star
     import subprocess
     import sys
 
-    from auxout.models import build_tiny_moe
+    from auxout.testing.models import build_tiny_moe
 
     path = build_tiny_moe("qwen3_moe")
     cases = {

@@ -14,10 +14,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from auxout.integrations.vllm.topology import RankRole, dp_keyspace, role_of
 from auxout.keys import KeySpace
 from auxout.stores import ArenaStore
 from auxout.testing import FakeMoE, SimEngine, oracle_routes
+from auxout.vllm.workers.topology import RankRole, dp_keyspace, role_of
 
 pytestmark = pytest.mark.vllm
 
@@ -55,7 +55,7 @@ def test_route_keyspace_reads_vllms_dp_rank():
     offline: "not supported for single-process usage"; each rank is its own engine)."""
     from vllm.engine.arg_utils import EngineArgs
 
-    from auxout.models import build_tiny_moe
+    from auxout.testing.models import build_tiny_moe
 
     path = build_tiny_moe("qwen3_moe")
     spaces = [

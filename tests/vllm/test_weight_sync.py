@@ -29,7 +29,7 @@ KEYS = {"routed_experts_output": "keys"}  # (a request field: the manifest inste
 
 @pytest.fixture(scope="module")
 def base_path() -> str:
-    from auxout.models import build_tiny_moe
+    from auxout.testing.models import build_tiny_moe
 
     return build_tiny_moe("qwen3_moe")
 
@@ -104,7 +104,7 @@ def test_routes_after_syncs_equal_the_full_forward_of_the_new_weights(engine, sy
 def test_vllm_reload_paths_repack_the_experts(engine, fresh, synced, base_path) -> None:  # type: ignore[no-untyped-def]
     """vLLM's own reload on auxout's engine: from disk (the loaded checkpoint) gives back the first
     outputs; from an iterator (checkpoint names) the synced ones; through ``collective_rpc`` too."""
-    from auxout.integrations.vllm.weight_sync import checkpoint_named, repacked_count
+    from auxout.vllm.weight_sync import checkpoint_named, repacked_count
 
     runner = engine.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
     before = repacked_count()

@@ -17,7 +17,7 @@ NUM_MOE_LAYERS = 2
 
 @pytest.fixture(scope="module")
 def base_path() -> str:
-    from auxout.models import build_tiny_moe
+    from auxout.testing.models import build_tiny_moe
 
     return build_tiny_moe("qwen3_moe")
 

@@ -29,7 +29,7 @@ Semantics a client relies on:
   finishes (``delivered``) or fails (``release``); another turn of the same session meanwhile
   is refused with :class:`SessionBusyError` (HTTP 409), since it could only be answered from
   rows the first response has not delivered yet. Branches need their own ids;
-- this store lives in one API-server process; :class:`auxout.redis_sessions.RedisSessionStore`
+- this store lives in one API-server process; :class:`auxout.vllm.server.redis_sessions.RedisSessionStore`
   has the same interface over a Redis every replica shares (any replica serves any turn).
 """
 
@@ -76,7 +76,7 @@ class SessionBusyError(RuntimeError):
 
 class RouteSessions(Protocol):
     """What the server needs of a session store (in memory: ``SessionStore``; shared by replicas:
-    ``auxout.redis_sessions.RedisSessionStore``)."""
+    ``auxout.vllm.server.redis_sessions.RedisSessionStore``)."""
 
     def starts_for(self, session: str, prompt: Sequence[int], arrays: Collection[str] = ()) -> dict[str, int]: ...
 

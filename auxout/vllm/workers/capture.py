@@ -291,7 +291,7 @@ def bind_capture(
 
     The buffer always spans every MoE layer of the model, in model order.
     """
-    from auxout.integrations.vllm.topology import moe_columns
+    from auxout.vllm.workers.topology import moe_columns
 
     found = find_moe_routers_with_ids(model)
     total, columns = moe_columns([layer for layer, _ in found], pp_size)

@@ -25,7 +25,7 @@ import sys
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from auxout.integrations.vllm.options import OUTPUT_FLAG, REQUEST_FLAG, WEIGHTS_FLAG, misspelt_route_field
+from auxout.vllm.options import OUTPUT_FLAG, REQUEST_FLAG, WEIGHTS_FLAG, misspelt_route_field
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from auxout.connector.messages import NO_EMIT, StepMetadata, StepOutput
+from auxout.connector.staging import StagingPool, staging_pool_blocks
 from auxout.errors import (
     BlockStoreError,
     InvariantError,
@@ -37,15 +39,13 @@ from auxout.errors import (
     StoreUnavailableError,
 )
 from auxout.keys import ChainKeys, KeySpace, PackedHashes
-from auxout.metadata import NO_EMIT, StepMetadata, StepOutput
 from auxout.metrics import COUNTS, store_backend
 from auxout.profile import RouteProfile
-from auxout.staging import StagingPool, staging_pool_blocks
-from auxout.store_rows import StoreRows
 from auxout.stores.base import BlockObjects, BlockStore, StoreObject, object_keys, read_into
+from auxout.stores.rows import StoreRows
 
-if TYPE_CHECKING:  # (auxout.row_check loads numba: only the engines that check rows import it)
-    from auxout.row_check import RowCheck
+if TYPE_CHECKING:  # (auxout.connector.row_check loads numba: only the engines that check rows import it)
+    from auxout.connector.row_check import RowCheck
 
 _I64 = np.int64
 _NO_LIMIT = (1 << 62) - 1
@@ -188,7 +188,7 @@ class WorkerConnector:
         """``weights_digest``: where routes are shared with other engines, names each generation
         after a prefix-cache reset by the weights the engine then runs (``KeySpace.weights``;
         called once per generation, reported to the scheduler with the next output).
-        ``row_check``: checks every step's rows (``auxout.row_check``); a request with a row no
+        ``row_check``: checks every step's rows (``auxout.connector.row_check``); a request with a row no
         router can produce is committed apart: nothing of it is stored or emitted, and it gets
         an error (the engine recomputes it, and fails it alone if that keeps happening)."""
         if block_size <= 0:

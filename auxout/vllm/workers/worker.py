@@ -23,22 +23,22 @@ import numpy as np
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, AsyncModelRunnerOutput, ModelRunnerOutput
 from vllm.v1.worker.gpu_worker import Worker
 
+from auxout.connector.messages import StepOutput
+from auxout.connector.row_check import RowCheck
+from auxout.connector.worker import PendingStep, WorkerConnector
 from auxout.errors import InvariantError
-from auxout.integrations.vllm.async_output import RoutedAsyncOutput
-from auxout.integrations.vllm.capture import RouteCapture, bind_capture
-from auxout.integrations.vllm.config import route_keyspace, weights_digest
-from auxout.integrations.vllm.options import options_from_vllm_config, shares_routes
-from auxout.integrations.vllm.topology import RankRole, current_role, install_pipeline_rows
-from auxout.integrations.vllm.weight_sync import (
+from auxout.stores import make_store
+from auxout.vllm.caller.async_output import RoutedAsyncOutput
+from auxout.vllm.config import route_keyspace, weights_digest
+from auxout.vllm.options import options_from_vllm_config, shares_routes
+from auxout.vllm.weight_sync import (
     generation_digest,
     install_load_digests,
     install_prepack_repair,
     load_on_worker,
 )
-from auxout.metadata import StepOutput
-from auxout.row_check import RowCheck
-from auxout.stores import make_store
-from auxout.worker_connector import PendingStep, WorkerConnector
+from auxout.vllm.workers.capture import RouteCapture, bind_capture
+from auxout.vllm.workers.topology import RankRole, current_role, install_pipeline_rows
 
 logger = logging.getLogger("vllm.auxout")  # under vLLM's logger: its handlers and format
 
@@ -173,7 +173,7 @@ class AuxoutWorkerMixin:
         from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 
         if not self._auxout_role.owns_routes:
-            return  # only the output rank keeps routes (see auxout.integrations.vllm.topology)
+            return  # only the output rank keeps routes (see auxout.vllm.workers.topology)
         if self._auxout_capture is None:
             raise RuntimeError("auxout: the KV cache was sized before the model was loaded")
         if not self.vllm_config.cache_config.enable_prefix_caching:

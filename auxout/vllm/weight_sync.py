@@ -135,7 +135,7 @@ def tensor_digest(name: str, tensor: Any) -> bytes:
     """Digest of one loaded tensor: name, shape, dtype and every element's bits (exact)."""
     import torch
 
-    from auxout.integrations.vllm.config import _bits_digest
+    from auxout.vllm.config import _bits_digest
 
     flat = tensor.detach().reshape(-1).contiguous()
     ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

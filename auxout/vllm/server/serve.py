@@ -6,9 +6,9 @@ options. ``/v1/completions`` and ``/v1/chat/completions`` then return
 ``choices[i].routed_experts`` with ``routed_experts_start``/``_format``/``_dtype``/``_shape``,
 streamed or not, and accept ``routed_experts_prompt_start``, ``routed_experts_format``,
 ``routed_experts_session`` and ``vllm_xargs: {"return_routed_experts": false}`` (see
-:mod:`auxout.integrations.vllm.http_routes`).
+:mod:`auxout.vllm.server.responses`).
 
-Every :class:`~auxout.integrations.vllm.options.VllmOptions` field is reachable, from three
+Every :class:`~auxout.vllm.options.VllmOptions` field is reachable, from three
 sources that must agree: ``AUXOUT_VLLM_OPTIONS`` (JSON), the ``"auxout"`` section of the user's
 ``--additional-config`` and the ``--auxout-*`` flags. The same option set to different values in
 two sources, an unknown option, or a store missing a required option is an error at argument
@@ -25,9 +25,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from auxout.credentials import redact
-from auxout.integrations.vllm.config import engine_kwargs
-from auxout.integrations.vllm.http_checks import MIDDLEWARE
-from auxout.integrations.vllm.options import CONFIG_KEY, ENV_VAR, LIFE_KEY, VllmOptions
+from auxout.vllm.config import engine_kwargs
+from auxout.vllm.options import CONFIG_KEY, ENV_VAR, LIFE_KEY, VllmOptions
+from auxout.vllm.server.body_checks import MIDDLEWARE
 
 
 class ServeArgumentError(ValueError):
@@ -162,7 +162,7 @@ def _check_session_store(ours: argparse.Namespace, opts: VllmOptions) -> None:
 
 def session_store(ours: argparse.Namespace, model: str) -> Any:
     """The route session store ``auxout serve`` was asked for (``RouteSessions``)."""
-    from auxout.sessions import DEFAULT_TURN_LEASE, SessionStore
+    from auxout.vllm.server.sessions import DEFAULT_TURN_LEASE, SessionStore
 
     opts: VllmOptions = ours.options
     lease = ours.auxout_session_lease or DEFAULT_TURN_LEASE
@@ -170,7 +170,7 @@ def session_store(ours: argparse.Namespace, model: str) -> Any:
         store = SessionStore(ours.auxout_max_sessions, ours.auxout_max_session_tokens)
         store.turn_lease = lease
         return store
-    from auxout.redis_sessions import DEFAULT_TTL, RedisSessionStore
+    from auxout.vllm.server.redis_sessions import DEFAULT_TTL, RedisSessionStore
 
     url = str(opts.store_options["url"]) if ours.auxout_session_store == "redis" else ours.auxout_session_store
     return RedisSessionStore(
@@ -295,7 +295,7 @@ def install_startup_checks() -> None:
     """Check the engine configuration in the API-server process, before any engine process starts.
 
     vLLM builds its ``VllmConfig`` here and hands it to ``AsyncLLM.from_vllm_config``; a layout
-    vLLM-CPU cannot serve with routes (:func:`~auxout.integrations.vllm.cpu_worker.check_cpu_config`:
+    vLLM-CPU cannot serve with routes (:func:`~auxout.vllm.workers.cpu.check_cpu_config`:
     data or expert parallelism with an MoE model, MLA) is refused there in seconds, with its
     reason, instead of after every engine process has started (the worker checks again, for
     engines built without this server)."""
@@ -304,7 +304,7 @@ def install_startup_checks() -> None:
 
     if not current_platform.is_cpu() or getattr(AsyncLLM.from_vllm_config, "_auxout_checked", False):
         return
-    from auxout.integrations.vllm.cpu_worker import check_cpu_config
+    from auxout.vllm.workers.cpu import check_cpu_config
 
     original = AsyncLLM.from_vllm_config.__func__  # type: ignore[attr-defined]
 
@@ -344,9 +344,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from vllm.logger import configure_logging_from_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from auxout.integrations.vllm import http_routes
-    from auxout.integrations.vllm.http_checks import install_context_length_message, install_failure_reasons
-    from auxout.integrations.vllm.validation import install_request_validation
+    from auxout.vllm.caller.request_checks import install_request_validation
+    from auxout.vllm.server import responses as http_routes
+    from auxout.vllm.server.body_checks import install_context_length_message, install_failure_reasons
 
     cli_env_setup()
     parser = make_arg_parser(FlexibleArgumentParser(description="auxout: vLLM server with routed experts"))
@@ -360,7 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     model_name = str(served[0] if served else parsed.model)
     sessions = session_store(ours, model_name)
     if getattr(sessions, "remote", False):
-        from auxout.redis_sessions import SessionStoreError
+        from auxout.vllm.server.redis_sessions import SessionStoreError
 
         try:
             len(sessions)

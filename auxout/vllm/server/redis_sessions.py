@@ -1,14 +1,14 @@
 """Route sessions in a Redis every replica shares: any replica serves any turn with a correct delta.
 
-The same interface as :class:`auxout.sessions.SessionStore` (``starts_for``, ``begin``,
-``delivered``, ``release``, ``forget``), and the same rules (see :mod:`auxout.sessions`); what
+The same interface as :class:`auxout.vllm.server.sessions.SessionStore` (``starts_for``, ``begin``,
+``delivered``, ``release``, ``forget``), and the same rules (see :mod:`auxout.vllm.server.sessions`); what
 changes is where a session lives:
 
 - one Redis hash per session (``tok``: the delivered tokens as little-endian int32, ``rows``:
   the other arrays' rows as JSON, ``ver``: how many turns were recorded, and while a turn is in
   flight ``turn``/``until``: its claim and lease deadline, in the Redis server's clock);
 - ``begin`` claims the session in one Lua script (a turn of another claim still in its lease gets
-  :class:`~auxout.sessions.SessionBusyError`); ``delivered`` records the turn in one Lua script
+  :class:`~auxout.vllm.server.sessions.SessionBusyError`); ``delivered`` records the turn in one Lua script
   only if the claim is still this turn's, or nobody claimed or advanced the session since (a
   compare-and-set on ``ver``): two replicas can never both advance a session. A turn that lost
   its claim (its lease ran out and another turn took the session) is not recorded: the session
@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from auxout.credentials import redact, resolve_credentials
-from auxout.sessions import DEFAULT_TURN_LEASE, ROUTES, SessionBusyError, rows_after, starts_from
+from auxout.vllm.server.sessions import DEFAULT_TURN_LEASE, ROUTES, SessionBusyError, rows_after, starts_from
 
 DEFAULT_TTL = 3600.0
 """Seconds a session lives after its last turn (an idle conversation then starts again at 0)."""

@@ -13,7 +13,7 @@ Each of auxout's per-request fields has one place:
 The same field in the other place is rejected, never silently ignored; so is a key named like
 one of them that is none (``return_routed_expert``), naming the field meant. vLLM turns a JSON
 ``false`` in ``vllm_xargs`` into ``0``, so behind the HTTP server (where
-:mod:`auxout.integrations.vllm.http_checks` has already checked the raw JSON) the flag may be
+:mod:`auxout.vllm.server.body_checks` has already checked the raw JSON) the flag may be
 0/1; offline it must be a real bool.
 
 vLLM also skips its vocabulary check on prompt token ids when it runs without a tokenizer
@@ -29,8 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from auxout.integrations.vllm.http_checks import FORMAT_FIELD, SESSION_FIELD
-from auxout.integrations.vllm.options import (
+from auxout.vllm.options import (
     OUTPUT_FLAG,
     REQUEST_FLAG,
     SHARED_STORES,
@@ -41,6 +40,7 @@ from auxout.integrations.vllm.options import (
     normalize_flag,
     options_from_vllm_config,
 )
+from auxout.vllm.server.body_checks import FORMAT_FIELD, SESSION_FIELD
 
 PROMPT_START = "routed_experts_prompt_start"
 _EXTRA_ARGS = (REQUEST_FLAG, OUTPUT_FLAG, WEIGHTS_FLAG)  # auxout's extra_args keys

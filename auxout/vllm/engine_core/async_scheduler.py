@@ -19,7 +19,7 @@ from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
-from auxout.integrations.vllm.scheduler import AuxoutScheduler
+from auxout.vllm.engine_core.scheduler import AuxoutScheduler
 
 
 class AuxoutAsyncScheduler(AuxoutScheduler, AsyncScheduler):

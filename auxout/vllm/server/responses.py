@@ -12,7 +12,7 @@ routes: choice ``i`` gets conversation ``i``'s):
 - streaming: each chunk carries the rows for the positions its tokens newly cover (rows arrive
   per engine step for streamed requests); concatenating the chunks of a choice gives exactly the
   non-streaming array;
-- ``routed_experts_session``: only rows the client does not hold yet (:mod:`auxout.sessions`);
+- ``routed_experts_session``: only rows the client does not hold yet (:mod:`auxout.vllm.server.sessions`);
 - keys-only output: the route manifest of each choice as ``routed_experts_manifest``;
 - ``return_routing_weights: true`` (on a server started with ``--auxout-routing-weights true``):
   ``routing_weights`` next to the ids, float32, same shape, start and format (``routing_weights_*``
@@ -34,15 +34,11 @@ from typing import Any
 
 import numpy as np
 
-from auxout.integrations.vllm.completion_fields import completion_field
-from auxout.integrations.vllm.http_checks import (
-    FORMAT_FIELD,
-    INTERNAL_KEY,
-    PROMPT_START,
-    SESSION_FIELD,
-    TOP_LEVEL,
-)
-from auxout.integrations.vllm.options import (
+from auxout.metrics import COUNTS
+from auxout.profile import has_weights, join_rows, split_rows
+from auxout.vllm.caller.completion_fields import completion_field
+from auxout.vllm.caller.weights_output import structured
+from auxout.vllm.options import (
     INLINE_REASON_FIELD,
     MANIFEST_FIELD,
     OUTPUT_FLAG,
@@ -55,11 +51,15 @@ from auxout.integrations.vllm.options import (
     VllmOptions,
     normalize_flag,
 )
-from auxout.integrations.vllm.weights_output import structured
-from auxout.metrics import COUNTS
-from auxout.profile import has_weights, join_rows, split_rows
-from auxout.redis_sessions import SessionStoreError
-from auxout.sessions import ROUTES, RouteSessions, SessionBusyError, SessionStore
+from auxout.vllm.server.body_checks import (
+    FORMAT_FIELD,
+    INTERNAL_KEY,
+    PROMPT_START,
+    SESSION_FIELD,
+    TOP_LEVEL,
+)
+from auxout.vllm.server.redis_sessions import SessionStoreError
+from auxout.vllm.server.sessions import ROUTES, RouteSessions, SessionBusyError, SessionStore
 from auxout.wire import DEFAULT_FORMAT, FORMATS, encode
 
 logger = logging.getLogger("auxout.vllm")
@@ -192,7 +192,7 @@ class RouteResponder:
     def __init__(self, options: VllmOptions, *, max_sessions: int = 4096, max_session_tokens: int = 1 << 26,
                  sessions: RouteSessions | None = None) -> None:  # fmt: skip
         self.options = options
-        # (in memory by default; auxout.redis_sessions.RedisSessionStore shares sessions across replicas)
+        # (in memory by default; auxout.vllm.server.redis_sessions.RedisSessionStore shares sessions across replicas)
         self.sessions: RouteSessions = sessions if sessions is not None else SessionStore(max_sessions, max_session_tokens)
         self.num_experts: int | None = None
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from auxout.integrations.vllm.options import WEIGHTS_OUTPUT
 from auxout.profile import is_route_bytes, rows_from_bytes, split_rows
+from auxout.vllm.options import WEIGHTS_OUTPUT
 
 _INSTALLED = False
 logger = logging.getLogger("auxout.vllm")

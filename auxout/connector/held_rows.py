@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from auxout.store_rows import StoreRows, join_rows
+from auxout.stores.rows import StoreRows, join_rows
 
 
 class HeldRows:

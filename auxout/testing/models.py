@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from auxout.tiny_tokenizer import write_tokenizer
+from auxout.testing.tiny_tokenizer import write_tokenizer
 
 HIDDEN = 64
 HEADS = 2
@@ -142,7 +142,7 @@ def build_tiny_moe(arch: str = "qwen3_moe", *, seed: int = 0, path: str | os.Pat
     """Write (or reuse) a tiny random ``arch`` checkpoint, deterministic from ``seed``; return its directory.
 
     The directory holds ``config.json``, ``model.safetensors`` and a byte-level BPE tokenizer with a
-    chat template covering the whole vocabulary (:mod:`auxout.tiny_tokenizer`), so vLLM serves it
+    chat template covering the whole vocabulary (:mod:`auxout.testing.tiny_tokenizer`), so vLLM serves it
     with text, chat and token-id prompts alike.
     """
     if arch not in ARCHS:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from auxout.integrations.vllm.worker import AuxoutWorkerMixin
+from auxout.vllm.workers.worker import AuxoutWorkerMixin
 
 MLA_ON_CPU = (
     "auxout routes need prefix caching, and vLLM-CPU turns prefix caching (and chunked prefill) off for "

@@ -25,6 +25,9 @@ from typing import Protocol
 
 import numpy as np
 
+from auxout.connector.keys_output import KeysPublisher
+from auxout.connector.messages import NO_EMIT, StepMetadata, StepOutput
+from auxout.connector.route_index import ContainsFn, RouteIndex
 from auxout.errors import (
     BlockStoreError,
     InvariantError,
@@ -33,12 +36,9 @@ from auxout.errors import (
     RoutesUnavailableError,
 )
 from auxout.keys import KeySpace, PackedHashes
-from auxout.keys_output import KeysPublisher
 from auxout.manifest import RouteManifest
-from auxout.metadata import NO_EMIT, StepMetadata, StepOutput
 from auxout.metrics import COUNTS
-from auxout.route_index import ContainsFn, RouteIndex
-from auxout.store_rows import StoreRows, join_rows
+from auxout.stores.rows import StoreRows, join_rows
 
 OUTPUT_MODES = ("inline", "keys")
 _num_tokens = attrgetter("num_tokens")
@@ -283,7 +283,7 @@ class SchedulerConnector:
         A request that read a cached prefix this step gets its prefix rows (``StoreRows`` when
         they are still in an in-process store's arena), then its own rows (a view of the step's
         snapshot). An engine that gathers a request's rows over several steps anyway (vLLM's
-        frontend gets them at finish) joins once at the end (``auxout.store_rows.join_rows``),
+        frontend gets them at finish) joins once at the end (``auxout.stores.rows.join_rows``),
         which copies each row once. Anything else is as ``take_output``.
         """
         rid = request.request_id

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from auxout.keys import PackedHashes
-from auxout.store_rows import StoreRows, join_rows
+from auxout.stores.rows import StoreRows, join_rows
 
 _RAW_ROWS_BELOW = 1 << 16
 """A step's rows smaller than this are pickled as raw bytes (a decode step's: numpy's own array
@@ -103,7 +103,7 @@ class StepOutput:
 
     def span_rows(self, request_id: str, lo: int, hi: int) -> np.ndarray | list[np.ndarray | StoreRows]:
         """Rows ``lo:hi`` of a request's span: one view of ``rows``, or the parts to join in
-        order (a head, then own rows; a head may be ``StoreRows``: ``auxout.store_rows.join_rows``)."""
+        order (a head, then own rows; a head may be ``StoreRows``: ``auxout.stores.rows.join_rows``)."""
         n = len(self.rows)
         if hi <= n:
             return self.rows[lo:hi]

@@ -27,10 +27,18 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import Request, RequestStatus
 
+from auxout.connector.held_rows import HeldRows
+from auxout.connector.keys_output import KeysPublisher
+from auxout.connector.messages import StepOutput
+from auxout.connector.scheduler import SchedulerConnector
 from auxout.errors import BlockStoreError, RequestValidationError, RoutesUnavailableError
-from auxout.held_rows import HeldRows
-from auxout.integrations.vllm.config import route_keyspace
-from auxout.integrations.vllm.options import (
+from auxout.keys import KeySpace
+from auxout.manifest import RouteManifest
+from auxout.profile import WEIGHT_DTYPE, has_weights, id_dtype_for, rows_as_bytes
+from auxout.stores import BlockStore, make_store
+from auxout.stores.rows import StoreRows
+from auxout.vllm.config import route_keyspace
+from auxout.vllm.options import (
     INLINE_REASON_FIELD,
     MANIFEST_FIELD,
     OUTPUT_FLAG,
@@ -45,14 +53,6 @@ from auxout.integrations.vllm.options import (
     options_from_vllm_config,
     shares_routes,
 )
-from auxout.keys import KeySpace
-from auxout.keys_output import KeysPublisher
-from auxout.manifest import RouteManifest
-from auxout.metadata import StepOutput
-from auxout.profile import WEIGHT_DTYPE, has_weights, id_dtype_for, rows_as_bytes
-from auxout.scheduler_connector import SchedulerConnector
-from auxout.store_rows import StoreRows
-from auxout.stores import BlockStore, make_store
 
 logger = logging.getLogger("vllm.auxout")  # under vLLM's logger: its handlers and format
 

@@ -7,14 +7,19 @@ prefill, speculative decoding and preemption. Opt a request out with
 ``engine_kwargs(routing_weights=True)``, ``SamplingParams(extra_args={"return_routing_weights": True})``
 also fills ``CompletionOutput.routing_weights`` (float32, same shape: the top-k combine weights).
 ``update_weights(llm, model.named_parameters())`` loads new weights in place (an RL weight sync).
+
+The only package that imports vLLM, grouped by the process each part runs in: ``engine_core``
+(the scheduler), ``workers`` (worker classes, router capture, layer topology), ``caller`` (request
+checks, completion outputs), ``server`` (``auxout serve``); beside them the options
+(``options``, ``config``) and the in-place weight sync (``weight_sync``). What auxout replaces or
+wraps in vLLM is listed in docs/architecture.md.
 """
 
-from auxout.integrations.vllm import (
-    REQUEST_FLAG,
-    VllmOptions,
+from auxout.vllm.config import engine_kwargs
+from auxout.vllm.options import REQUEST_FLAG, VllmOptions
+from auxout.vllm.weight_sync import (
     WeightSync,
     WeightSyncError,
-    engine_kwargs,
     repair_moe_prepack,
     update_weights,
 )

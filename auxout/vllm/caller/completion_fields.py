@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from auxout.integrations.vllm.options import (
+from auxout.vllm.options import (
     INLINE_REASON_FIELD,
     MANIFEST_FIELD,
     RECOMPUTED_FIELD,

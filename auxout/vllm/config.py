@@ -8,15 +8,15 @@ import uuid
 from typing import Any
 
 from auxout.credentials import export_store_url
-from auxout.integrations.vllm.options import CONFIG_KEY, LIFE_KEY, VllmOptions
 from auxout.keys import KeySpace, checkpoint_digest, model_keyspace, route_fingerprint
 from auxout.profile import id_dtype_for
+from auxout.vllm.options import CONFIG_KEY, LIFE_KEY, VllmOptions
 
 logger = logging.getLogger("vllm.auxout")  # under vLLM's logger: its handlers and format
 
-SCHEDULER_CLS = "auxout.integrations.vllm.async_scheduler.AuxoutSchedulerSelector"
-CPU_WORKER_CLS = "auxout.integrations.vllm.cpu_worker.AuxoutCPUWorker"
-GPU_WORKER_CLS = "auxout.integrations.vllm.worker.AuxoutGPUWorker"
+SCHEDULER_CLS = "auxout.vllm.engine_core.async_scheduler.AuxoutSchedulerSelector"
+CPU_WORKER_CLS = "auxout.vllm.workers.cpu.AuxoutCPUWorker"
+GPU_WORKER_CLS = "auxout.vllm.workers.worker.AuxoutGPUWorker"
 
 
 def default_worker_cls() -> str:
@@ -46,9 +46,9 @@ def engine_kwargs(**options: Any) -> dict[str, Any]:
     start, saying why, if it ends up off. Also installs auxout's request checks in this process
     (where vLLM builds requests), so bad inputs fail with a clear error before the engine.
     """
-    from auxout.integrations.vllm.completion_fields import install_completion_fields
-    from auxout.integrations.vllm.validation import install_request_validation
-    from auxout.integrations.vllm.weights_output import install_weights_split
+    from auxout.vllm.caller.completion_fields import install_completion_fields
+    from auxout.vllm.caller.request_checks import install_request_validation
+    from auxout.vllm.caller.weights_output import install_weights_split
 
     opts, secret_url = VllmOptions.from_dict(options).without_credentials()
     if secret_url is not None:
@@ -91,7 +91,7 @@ def route_keyspace(vllm_config: Any, opts: VllmOptions, hash_block: int) -> KeyS
             [checkpoint_digest(str(mc.model)), *(str(getattr(mc, k, None)) for k in ("revision", "dtype", "quantization"))]
         ),
     )
-    from auxout.integrations.vllm.topology import dp_keyspace
+    from auxout.vllm.workers.topology import dp_keyspace
 
     life = str((getattr(vllm_config, "additional_config", None) or {}).get(LIFE_KEY, ""))
     return model_keyspace(dp_keyspace(opts.namespace, vllm_config.parallel_config).namespace, fp, life)

@@ -1,1 +1,0 @@
-"""Engine integrations: each subpackage binds auxout's connectors to one inference engine."""
