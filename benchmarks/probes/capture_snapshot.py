@@ -1,12 +1,12 @@
-"""``RouteCapture.snapshot`` on the host path: one ``torch.stack`` against a copy per MoE layer.
+"""From how many MoE layers is one ``torch.stack`` cheaper than a copy per layer in ``RouteCapture.snapshot``?
 
 The worker snapshots the routers' ids once per step. Per layer the loop costs a ``.numpy()`` and
 a strided, narrowing numpy copy; from some layer count one ``torch.stack`` plus one cast is
 cheaper. This prints, per layer count and rows per step, both paths' median time and their
 ratio, measured in the same run (``capture._STACK_FROM`` is the threshold the ratios pick):
 
-    python benchmarks/capture_snapshot.py
-    python benchmarks/capture_snapshot.py --layers 2 4 16 48 --rows 16 256 --top-k 8
+    python benchmarks/probes/capture_snapshot.py
+    python benchmarks/probes/capture_snapshot.py --layers 2 4 16 48 --rows 16 256 --top-k 8
 
 Warm-cache numbers: in an engine the snapshot runs after the forward and sampling, several
 times slower (docs/performance.md); the ratio is what this script is for.

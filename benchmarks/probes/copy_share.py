@@ -1,4 +1,4 @@
-"""How much of auxout's data-plane time is payload copies, and how much is everything else.
+"""How much of auxout's data-plane time is payload copies, and how much is everything else?
 
 Replays ``dataplane.py``'s workloads through auxout with the bare in-process store (``auxout-sync``:
 every store call on the step's thread, so each copy is timed where it happens) and times, inside
@@ -9,22 +9,27 @@ scheduler side (and one more copy: a request's own rows placed after its history
 worker, which this script does not separate). The script prints each part's share of the replay (a ratio inside one run, so
 machine noise cancels) and the copy bandwidth it saw.
 
-    .venv/bin/python benchmarks/copy_share.py                 # ~1 min
-    .venv/bin/python benchmarks/copy_share.py --only multi-turn --repeats 21
+    .venv/bin/python benchmarks/probes/copy_share.py                 # ~1 min
+    .venv/bin/python benchmarks/probes/copy_share.py --only multi-turn --repeats 21
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
-import dataplane as dp
 import numpy as np
 
-from auxout.stores import arena as arena_mod
-from auxout.stores import slots as slots_mod
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # dataplane.py
+
+import dataplane as dp  # noqa: E402
+
+from auxout.stores import arena as arena_mod  # noqa: E402
+from auxout.stores import slots as slots_mod  # noqa: E402
 
 _COPY = {"read": 0.0, "write": 0.0}
 _BYTES = {"read": 0, "write": 0}

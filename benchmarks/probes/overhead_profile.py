@@ -1,11 +1,11 @@
-"""Where routes-on time goes: auxout's share of a sampling profile of the engine processes.
+"""Where does routes-on time go? auxout's share of a sampling profile of the engine processes.
 
 Record ``benchmarks/engine_overhead.py`` under py-spy (it samples every process, native frames
 off, idle threads excluded), then read the collapsed stacks::
 
     py-spy record --subprocesses --rate 250 --format raw -o /tmp/overhead.txt -- \\
         python benchmarks/engine_overhead.py --pairs 3
-    python benchmarks/overhead_profile.py /tmp/overhead.txt
+    python benchmarks/probes/overhead_profile.py /tmp/overhead.txt
 
 For each process it prints the busy samples, the samples with an auxout frame on the stack,
 the samples spent in auxout's own code (the deepest auxout frame on the stack is not a wrapper

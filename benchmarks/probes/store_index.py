@@ -1,6 +1,6 @@
-"""The in-process store's cost per prefill-sized batch, beside the bare copy of the same bytes.
+"""What does the in-process store cost per prefill-sized batch, beside the bare copy of the same bytes?
 
-    .venv/bin/python benchmarks/store_index.py [--reps 5] [--against ../other-checkout] [--pinned]
+    .venv/bin/python benchmarks/probes/store_index.py [--reps 5] [--against ../other-checkout] [--pinned]
 
 One batch = what a full prefill step publishes at the data-plane benchmark's shape: 512 new route
 blocks of 6 KiB (16 tokens x 48 layers x top-8 uint8) handed over as the worker's ``BlockObjects``,
@@ -128,7 +128,7 @@ def main() -> int:
     if args.json:
         print(json.dumps(pinned() if args.pinned else _median_run(args.reps)))
         return 0
-    here = Path(__file__).resolve().parent.parent
+    here = Path(__file__).resolve().parents[2]  # the checkout this file is in
     if args.pinned:
         runs = {"this": pinned() if args.against is None else _in_checkout(here, 0, pinned=True)}
         if args.against is not None:

@@ -1,4 +1,4 @@
-"""How far a faster store index could take the data plane: the same replay with an index that does no work.
+"""How far could a faster store index take the data plane? The same replay with an index that does no work.
 
 ``dataplane.py`` replays a workload through auxout and through vLLM's in-tree connectors. This
 script adds a third auxout run whose store keeps the arena and its two copies (the scatter of
@@ -8,21 +8,26 @@ slot. That is a lower bound for any store index behind the same worker and sched
 the gap between it and vLLM is the worker's, the scheduler's and the copies' share. Outputs are
 still checked bit for bit against the rows fed in (first repeat).
 
-    .venv/bin/python benchmarks/store_floor.py                    # multi-turn, ~1 min + vLLM import
-    .venv/bin/python benchmarks/store_floor.py --only prefill --repeats 11
+    .venv/bin/python benchmarks/probes/store_floor.py                    # multi-turn, ~1 min + vLLM import
+    .venv/bin/python benchmarks/probes/store_floor.py --only prefill --repeats 11
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
-import dataplane as dp
 import numpy as np
 
-from auxout.stores.base import BlockObjects, StoreObject
-from auxout.stores.slots import write_slots
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # dataplane.py
+
+import dataplane as dp  # noqa: E402
+
+from auxout.stores.base import BlockObjects, StoreObject  # noqa: E402
+from auxout.stores.slots import write_slots  # noqa: E402
 
 
 class FloorStore:

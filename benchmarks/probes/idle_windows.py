@@ -1,4 +1,4 @@
-"""Where per-step work is free: the same synthetic work placed in each window of a plain vLLM step.
+"""Where in a plain vLLM step is per-step work free? The same synthetic work placed in each window.
 
 auxout's remaining cost on the tiny model is per-step Python work on the critical path of a
 synchronous engine step (docs/performance.md). A redesign would move it into a window where a
@@ -17,7 +17,7 @@ by a flag byte, switched between batches like ``toggle_overhead.py``:
 - ``core-window``: in the engine core's ``get_grammar_bitmask``, which vLLM calls after sending
   the step to the worker and before waiting for it (the forward's window).
 
-    python benchmarks/idle_windows.py --cycles 6 --work-us 150
+    python benchmarks/probes/idle_windows.py --cycles 6 --work-us 150
 """
 
 from __future__ import annotations
@@ -156,6 +156,7 @@ def measure(args: argparse.Namespace) -> int:
 
 
 def main() -> int:
+    sys.path.insert(0, os.path.dirname(HERE))  # engine_overhead.py, one folder up
     from engine_overhead import add_workload_args
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

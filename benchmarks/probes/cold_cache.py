@@ -1,4 +1,4 @@
-"""What a per-step hook costs when the caches are cold, as they are right after a forward.
+"""What does a per-step hook cost when the caches are cold, as they are right after a forward?
 
 ``engine_hooks.py`` times auxout's hooks inside a vLLM engine at several times what the same
 calls cost in a loop (``process_output`` of a 16-request decode step: ~130-200 us in the engine,
@@ -13,7 +13,7 @@ a 96 MiB array (untimed), then times the call. It compares, warm and cold:
 - ``decode``: ``WorkerConnector.process_output`` of a 16-request decode step, warm and cold
   (how much of a hook's in-engine time is refetching code and data, not its work).
 
-    .venv/bin/python benchmarks/cold_cache.py            # ~1 min
+    .venv/bin/python benchmarks/probes/cold_cache.py            # ~1 min
 
 Ratios are within one run (these machines are noisy); the absolute times depend on the cache
 sizes and the memory of the machine.

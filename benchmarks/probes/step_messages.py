@@ -1,11 +1,11 @@
-"""Cost of sending one step's messages between processes (vLLM's mp executor pickles both).
+"""What does sending one step's messages between processes cost (vLLM's mp executor pickles both)?
 
 Every engine step sends a ``StepMetadata`` to the worker and gets a ``StepOutput`` back. This
 times pickle dumps + loads of both for a decode step and a prefill step, against a baseline
 measured in the same run: the same fields pickled the plain way (a tuple of numpy arrays, as
 a plain pickling of ``StepOutput``). Prints microseconds and the ratio.
 
-    python benchmarks/step_messages.py [--requests 16] [--layers 48] [--top-k 8] [--cold]
+    python benchmarks/probes/step_messages.py [--requests 16] [--layers 48] [--top-k 8] [--cold]
 
 ``--cold`` evicts the caches (writes one byte per cache line of 96 MiB, untimed) before every
 dumps and every loads, as a step's messages meet them in an engine: the worker pickles its
@@ -31,7 +31,7 @@ def best_us(fn: object, number: int = 2000, repeat: int = 7) -> float:
 
 def cold_us(obj: object, n: int = 300) -> float:
     """Median dumps + median loads of ``obj``, each after the caches were evicted (microseconds)."""
-    from cold_cache import median_us  # (benchmarks/cold_cache.py: the eviction, 96 MiB)
+    from cold_cache import median_us  # (cold_cache.py beside this file: the eviction, 96 MiB)
 
     data = pickle.dumps(obj, protocol=5)
     return median_us(lambda: pickle.dumps(obj, protocol=5), n, True) + median_us(lambda: pickle.loads(data), n, True)
