@@ -23,13 +23,15 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from itertools import repeat
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from auxout.connector.decode_lane import DecodeLane, LaneStats
 from auxout.connector.messages import NO_EMIT, StepMetadata, StepOutput
+from auxout.connector.slot_table import SlotTable
 from auxout.connector.staging import StagingPool, staging_pool_blocks
 from auxout.errors import (
     BlockStoreError,
@@ -68,51 +70,6 @@ class PendingStep:
 # A lane step drains the store's lost keys only every this many steps, or when it publishes
 # (an in-process store evicts only then; a background writer's drops are reported this late)
 _LANE_DRAIN_EVERY = 16
-
-
-@dataclass(slots=True)
-class _DecodeLane:
-    """A batch that decodes one token per request per step, the same batch step after step.
-
-    Every request of the batch keeps an open tail block (one is opened as soon as the previous
-    fills), and the step in which each tail fills is known in advance (``due``), so a step only
-    queues its rows, without a check per request: they go into the tails, and the cursors move,
-    for several steps at once when a tail fills, the window ends, the lane is left, or something
-    reads the cursors (``WorkerConnector._settle_lane``; every first fancy assignment after a
-    forward costs ~20 us, cold). Any other step, batch or terminal event drops the lane
-    (``WorkerConnector._drop_lane``).
-    """
-
-    slots: np.ndarray  # the batch: the very array prepare_output hands out for it
-    # The next ``len(flats)`` steps, precomputed (a step then runs no ufunc: the first one after a
-    # forward costs ~25 us, cold): ``ends[j]`` is every request's next position (its capture,
-    # scheduled and emit cursors) before lane step ``j`` of this window, ``flats[j]`` the staging
-    # pool token row its row of that step goes to.
-    ends: np.ndarray  # [window + 1, batch]
-    flats: np.ndarray  # [window, batch]
-    q_bytes: bytes  # the batch's query_start_loc (one row each)
-    q0: int  # ... starting at this row (0: request i's row is rows[i])
-    lo: np.ndarray  # every lane step's row spans (read only, shared by its outputs)
-    hi: np.ndarray
-    due: dict[int, list[int]]  # lane step -> batch indices whose tail block fills in that step
-    step: int = 0
-    j: int = 0  # this step's row in the window
-    # ``ends`` in the metadata's request order, as lists (begin_step compares the scheduler's
-    # emit starts with them without numpy): for the slots array ``meta_known``, permuted by
-    # ``meta_perm``; None until first needed in a window
-    meta_known: np.ndarray | None = None
-    meta_perm: np.ndarray | None = None
-    meta_ends: list[list[int]] | None = None
-    batch_ends: list[list[int]] | None = None  # ``ends`` as lists, in the batch's order (peek_lane_step)
-    q_list: list[int] = field(default_factory=list)  # the batch's query_start_loc (peek_lane_step)
-    # lane steps whose rows are not in the staging pool yet, as (window row, step rows): written
-    # together when a tail fills, the window ends or the lane is left (``_settle_lane``)
-    pending: list[tuple[int, np.ndarray]] = field(default_factory=list)
-    behind: bool = False  # lane steps left rows and cursors for later
-
-    @property
-    def end(self) -> np.ndarray:
-        return self.ends[self.j]
 
 
 def _excl_cumsum(counts: np.ndarray) -> np.ndarray:
@@ -223,12 +180,11 @@ class WorkerConnector:
                 max_concurrent_batches=max_concurrent_batches,
             ),
         )
-        self._slot_of: dict[str, int] = {}
-        self._alloc_slots(max(8, 2 * max_num_seqs))
+        self._table = SlotTable(max(8, 2 * max_num_seqs))  # per-request state, by request slot
         self._pending_steps: list[PendingStep] = []
         self._void_seqs: set[int] = set()  # in-flight steps voided by a generation change
-        self._awaiting: set[int] = set()  # finished slots whose teardown waits for in-flight outputs
-        self._pin_floor: dict[int, int] = {}  # finished slot -> leading pins handed to a next turn
+        self._awaiting: set[int] = set()  # finished request slots whose teardown waits for in-flight outputs
+        self._pin_floor: dict[int, int] = {}  # finished request slot -> leading pins handed to a next turn
         self._step_ready = False
         self._seq = 0
         self._closed = False
@@ -240,18 +196,14 @@ class WorkerConnector:
         self._read_rows = getattr(store, "read_rows", None)
         self._drain_lost = getattr(store, "drain_lost", None)
         self._backend = store_backend(store)  # (the label of this store's counters in auxout.metrics)
-        # slots of the last batch seen by begin_step / prepare_output, valid while no slot is
-        # made or freed (a decode step repeats its batch: no per-request lookups then)
-        self._slot_epoch = 0
+        # (table epoch, request ids, request slots) of the last batch seen by begin_step /
+        # prepare_output, valid while the epoch stands (a decode step repeats its batch: no
+        # per-request lookups then)
         self._begin_cache: tuple[int, list[str], np.ndarray] | None = None
         self._prepare_cache: tuple[int, list[str], np.ndarray] | None = None
-        self._lane: _DecodeLane | None = None
-        self.lane_steps = 0  # decode steps committed through the lane (for tests and benchmarks)
-        self.lane_prepared = 0  # of them, committed already in prepare_output (``final`` steps)
-        self.lane_begins = 0  # begin_step calls that checked the emit starts against the lane's lists
-        self.lane_fused = 0  # of the lane steps, committed by commit_lane_step (one call for three)
-        self._ramp = np.arange(block_size + 1, dtype=_I64)[:, None]  # [[0], ..., [window]]: a lane's window is a block
-        self._lane_candidate: np.ndarray | None = None  # slots of the last decode step
+        self._lane: DecodeLane | None = None
+        self._lane_candidate: np.ndarray | None = None  # request slots of the last decode step
+        self.lane_stats = LaneStats()
         self._block_shape = (block_size, *profile.shape_per_token)
         # staged blocks copied out for publication: reused once the store dropped its views (a
         # queued batch holds them until the writer applied it)
@@ -260,82 +212,29 @@ class WorkerConnector:
         self._checked: tuple[np.ndarray | None, int, np.ndarray | None] = (None, 0, None)  # (rows, n, result)
         self.impossible_requests = 0  # request steps refused for impossible rows (a counter for metrics)
 
-    # -- per-slot state ---------------------------------------------------------------------
-    def _alloc_slots(self, n: int) -> None:
-        # the three cursors are columns of one array: a decode lane step moves all three in one call
-        self._cursors = np.zeros((n, 3), dtype=_I64)
-        self._capture = self._cursors[:, 0]  # next position expected from capture; -1 = none yet
-        self._sched = self._cursors[:, 1]  # end of the last executed (scheduled) range
-        self._emit = self._cursors[:, 2]  # first position not emitted yet
-        self._capture[:] = -1
-        self._tail = np.full(n, -1, dtype=_I64)  # pool slot of the incomplete tail block
-        self._nkeys = np.zeros(n, dtype=_I64)  # len(self._keys[s])
-        self._pinned = np.zeros(n, dtype=_I64)  # leading keys this slot holds a store reference on
-        self._keys: list[list[str]] = [[] for _ in range(n)]
-        self._hashes: list[list[PackedHashes]] = [[] for _ in range(n)]  # the packs self._keys came from
-        self._staged: list[dict[int, int]] = [{} for _ in range(n)]  # block index -> pool slot (unkeyed)
-        self._rid: list[str] = [""] * n
-        self._free_slots = list(range(n - 1, -1, -1))
-
-    def _grow_slots(self) -> None:
-        old = len(self._capture)
-        n = old * 2
-        cursors = np.zeros((n, 3), dtype=_I64)
-        cursors[:old] = self._cursors
-        cursors[old:, 0] = -1
-        self._cursors = cursors
-        self._capture, self._sched, self._emit = cursors[:, 0], cursors[:, 1], cursors[:, 2]
-        for name, fill in (("_tail", -1), ("_nkeys", 0), ("_pinned", 0)):
-            arr = getattr(self, name)
-            new = np.full(n, fill, dtype=arr.dtype)
-            new[:old] = arr
-            setattr(self, name, new)
-        self._keys += [[] for _ in range(n - old)]
-        self._hashes += [[] for _ in range(n - old)]
-        self._staged += [{} for _ in range(n - old)]
-        self._rid += [""] * (n - old)
-        self._free_slots = list(range(n - 1, old - 1, -1)) + self._free_slots
-
+    # -- request slots -------------------------------------------------------------------------
     def _new_slot(self, rid: str, emit_start: int) -> int:
-        if not self._free_slots:
-            self._grow_slots()
-        s = self._free_slots.pop()
-        self._capture[s] = -1
-        self._sched[s] = 0
-        self._emit[s] = emit_start
-        self._tail[s] = -1
-        self._nkeys[s] = 0
-        self._pinned[s] = 0
-        self._keys[s] = []
-        self._hashes[s] = []
-        self._staged[s] = {}
-        self._rid[s] = rid
-        self._slot_of[rid] = s
-        self._slot_epoch += 1
+        s = self._table.new(rid, emit_start)
         if self._pin_floor:  # (only a begin_step that failed half-way leaves an entry behind)
             self._pin_floor.pop(s, None)
         return s
 
     def _teardown(self, slots: Sequence[int]) -> list[str]:
-        """Free slots; returns their keys in release order (each chain tail-first)."""
-        self._drop_lane()
+        """Free request slots; returns their keys in release order (each chain tail-first)."""
+        self._leave_lane()
+        table = self._table
+        keys, pinned, staged, tail = table.keys, table.pinned, table.staged, table.tail
         release: list[str] = []
         pool_free: list[int] = []
         floor = self._pin_floor
-        self._slot_epoch += 1
+        table.epoch += 1
         for s in slots:
-            release.extend(reversed(self._keys[s][floor.pop(s, 0) if floor else 0 : self._pinned[s]]))
-            pool_free.extend(self._staged[s].values())
-            if self._tail[s] >= 0:
-                pool_free.append(int(self._tail[s]))
-            self._keys[s] = []
-            self._hashes[s] = []
-            self._nkeys[s] = 0
-            self._pinned[s] = 0
-            self._staged[s] = {}
-            self._tail[s] = -1
+            release.extend(reversed(keys[s][floor.pop(s, 0) if floor else 0 : pinned[s]]))
+            pool_free.extend(staged[s].values())
+            if tail[s] >= 0:
+                pool_free.append(int(tail[s]))
+            table.free(s)
             self._awaiting.discard(s)
-            self._free_slots.append(s)
         if pool_free:
             self.pool.free(pool_free)
         return release
@@ -359,9 +258,6 @@ class WorkerConnector:
             raise InvariantError(
                 f"metadata generation moved backwards: {meta.generation} < {self.generation}"
             )
-        lane = self._lane
-        if lane is not None and lane.behind and (meta.finished or meta.block_hashes):
-            self._settle_lane(lane)  # (what follows reads the cursors)
         release: list[str] = []
         if meta.generation > self.generation:
             # A reset with steps in flight (async scheduling): the engine drops their outputs
@@ -369,20 +265,20 @@ class WorkerConnector:
             # published or emitted, and they no longer hold the slots being torn down.
             self._void_seqs.update(p.seq for p in self._pending_steps)
             # (requests that finished with an output in flight too: their teardown waited for it)
-            release = self._teardown(list(self._slot_of.values()) + sorted(self._awaiting))
-            self._slot_of.clear()
+            release = self._teardown(list(self._table.slot_of.values()) + sorted(self._awaiting))
+            self._table.slot_of.clear()
             self.pool.reset()
-            self._tail[:] = -1
+            self._table.tail[:] = -1
             self.generation = meta.generation
             if self._weights_digest is not None:
                 self._name_generation(self._weights_digest)
-        slot_of = self._slot_of
+        slot_of = self._table.slot_of
         retain: list[str] = []
         keyed: list[int] = []
         done: list[int] = []
         # terminal events first: a request may end one incarnation and start the next this step
         if meta.finished:
-            self._slot_epoch += 1  # (an id may come back with a new slot while the old one awaits teardown)
+            self._table.epoch += 1  # (an id may come back with a new slot while the old one awaits teardown)
         for rid in meta.finished:
             s = slot_of.pop(rid, None)
             if s is None:
@@ -391,10 +287,10 @@ class WorkerConnector:
             if packed is None and rid not in meta.requests:  # older engines: trailing hashes ride along
                 packed = meta.block_hashes.get(rid)
             if packed is not None:
-                self._hashes[s].append(packed)
+                self._table.hashes[s].append(packed)
                 self._add_keys(s, self.keyspace.keys(packed, self.generation), retain, release)
             self._remember_chain(s)
-            if self._staged[s]:
+            if self._table.staged[s]:
                 keyed.append(s)
             if not self._busy(s):
                 done.append(s)
@@ -404,24 +300,22 @@ class WorkerConnector:
         names = list(reqs)
         cache = self._begin_cache
         steady = False
-        if cache is not None and cache[0] == self._slot_epoch and cache[1] == names:
+        if cache is not None and cache[0] == self._table.epoch and cache[1] == names:
             known = cache[2]  # (the same batch as the last step: every slot known)
             old = None
             lane = self._lane
             if lane is not None and not self._pending_steps:  # the lane's next step: starts as it expects
-                expect = self._lane_emit_starts(lane, known)  # (plain lists: no numpy call, cold here)
+                expect = lane.emit_starts(known)  # (plain lists: no numpy call, cold here)
                 steady = expect is not None and expect == list(reqs.values())
-                self.lane_begins += steady
+                self.lane_stats.begins += steady
         else:
             known = np.fromiter(map(slot_of.get, names, repeat(-1, len(names))), dtype=_I64, count=len(names))
             old = known >= 0
         if len(known) and not steady:
-            if self._lane is not None and self._lane.behind:
-                self._settle_lane(self._lane)  # (the check reads the emit cursors)
             starts = np.fromiter(reqs.values(), dtype=_I64, count=len(reqs))
             all_old = old is None or np.count_nonzero(old) == len(old)
             ks, ss = (known, starts) if all_old else (known[old], starts[old])
-            emit = self._emit[ks]
+            emit = self._table.emit[ks]
             # (equal bytes: the steady state, checked without a ufunc, which costs ~20 us cold after a forward)
             if ss.tobytes() != emit.tobytes() and np.count_nonzero(ss > emit):  # ahead, unless output is in flight
                 idle = np.array([not self._busy(s) for s in ks.tolist()], dtype=bool)
@@ -431,14 +325,14 @@ class WorkerConnector:
                     rid = list(reqs)[i]
                     raise InvariantError(
                         f"scheduler emit cursor moved ahead of the worker for request {rid!r}: "
-                        f"emit_start={int(starts[i])}, worker emitted up to {int(self._emit[known[i]])}"
+                        f"emit_start={int(starts[i])}, worker emitted up to {int(self._table.emit[known[i]])}"
                     )
             if not all_old:
                 assert old is not None
                 for i in np.flatnonzero(~old).tolist():
                     self._new_slot(names[i], int(starts[i]))
             elif cache is None or known is not cache[2]:
-                self._begin_cache = (self._slot_epoch, names, known)
+                self._begin_cache = (self._table.epoch, names, known)
         self._apply_hashes(meta, retain, release, keyed, done)
 
     def _apply_hashes(
@@ -447,7 +341,7 @@ class WorkerConnector:
         """The rest of ``begin_step``: new block hashes become keys (a block staged for its key is
         published), pins follow, finished requests in ``done`` are torn down; one store call."""
         reqs = meta.requests
-        slot_of = self._slot_of
+        slot_of = self._table.slot_of
         hashed: list[int] = []
         packs: list[PackedHashes] = []
         for rid, packed in meta.block_hashes.items():
@@ -459,15 +353,15 @@ class WorkerConnector:
             hashed.append(s)
             packs.append(packed)
         for s, pack in zip(hashed, packs):
-            self._hashes[s].append(pack)
+            self._table.hashes[s].append(pack)
         if hashed:
             sources: list[tuple[list[str], int] | None] | None = [] if done else None
             for s, keys in zip(hashed, self._chains.keys_batch(packs, self.generation, sources)):
-                self._keys[s].extend(keys)
-                if self._staged[s]:
+                self._table.keys[s].extend(keys)
+                if self._table.staged[s]:
                     keyed.append(s)
             idx = np.array(hashed, dtype=_I64)
-            self._nkeys[idx] = [len(self._keys[s]) for s in hashed]
+            self._table.nkeys[idx] = [len(self._table.keys[s]) for s in hashed]
             if sources and sources.count(None) != len(sources):
                 self._inherit_pins(hashed, sources, done)
             self._sync_pins(idx, retain, release)
@@ -486,17 +380,17 @@ class WorkerConnector:
         on their shared history instead of retaining what the other releases in the same batch:
         +1 and -1 on a key that stays referenced change nothing the store can show, and a long
         conversation's history is thousands of keys per turn."""
-        donors = {id(self._keys[d]): d for d in done}
+        donors = {id(self._table.keys[d]): d for d in done}
         for s, src in zip(hashed, sources):
             if src is None:
                 continue
             d = donors.get(id(src[0]))
             # (the heir is new: this pack is its first, nothing captured or pinned yet)
-            if d is None or len(self._hashes[s]) != 1 or self._capture[s] >= 0 or self._pinned[s]:
+            if d is None or len(self._table.hashes[s]) != 1 or self._table.capture[s] >= 0 or self._table.pinned[s]:
                 continue
             del donors[id(src[0])]  # one heir per finished turn
-            m = min(src[1], int(self._pinned[d]))
-            self._pinned[s] = m
+            m = min(src[1], int(self._table.pinned[d]))
+            self._table.pinned[s] = m
             self._pin_floor[d] = m  # the finished turn releases only what it keeps
 
     def _busy(self, s: int) -> bool:
@@ -510,15 +404,15 @@ class WorkerConnector:
 
     def _remember_chain(self, s: int) -> None:
         """Offer a finished request's keys for reuse: a next turn re-sends this history."""
-        chain = self._hashes[s]
+        chain = self._table.hashes[s]
         if len(chain) == 1:
-            self._chains.remember(chain[0].data, chain[0].item_size, self._keys[s], self.generation)
+            self._chains.remember(chain[0].data, chain[0].item_size, self._table.keys[s], self.generation)
         elif chain and all(p.item_size == chain[0].item_size for p in chain):
-            self._chains.remember(b"".join([p.data for p in chain]), chain[0].item_size, self._keys[s], self.generation)
+            self._chains.remember(b"".join([p.data for p in chain]), chain[0].item_size, self._table.keys[s], self.generation)
 
     def _add_keys(self, s: int, keys: list[str], retain: list[str], release: list[str]) -> None:
-        self._keys[s].extend(keys)
-        self._nkeys[s] = len(self._keys[s])
+        self._table.keys[s].extend(keys)
+        self._table.nkeys[s] = len(self._table.keys[s])
         self._sync_pins(np.array([s], dtype=_I64), retain, release)
 
     def _put(self, objects: Sequence[StoreObject], retain: Sequence[str], release: Sequence[str]) -> None:
@@ -546,10 +440,10 @@ class WorkerConnector:
         keys: list[str] = []
         pool_slots: list[int] = []
         for s in slots:
-            staged = self._staged[s]
-            nkeys = len(self._keys[s])
+            staged = self._table.staged[s]
+            nkeys = len(self._table.keys[s])
             for b in [b for b in staged if b < nkeys]:
-                keys.append(self._keys[s][b])
+                keys.append(self._table.keys[s][b])
                 pool_slots.append(staged.pop(b))
         if not keys:
             return [], []
@@ -605,14 +499,14 @@ class WorkerConnector:
             raise InvariantError(f"step claims {int(qsl[-1])} rows but the snapshot has {len(rows)}")
         ids = list(req_ids)
         cache = self._prepare_cache
-        if cache is not None and cache[0] == self._slot_epoch and cache[1] == ids:
+        if cache is not None and cache[0] == self._table.epoch and cache[1] == ids:
             slots = cache[2]  # (the same batch as the last step)
         else:
             try:
-                slots = np.fromiter(map(self._slot_of.__getitem__, ids), dtype=_I64, count=n)
+                slots = np.fromiter(map(self._table.slot_of.__getitem__, ids), dtype=_I64, count=n)
             except KeyError as exc:
                 raise InvariantError(f"request {exc.args[0]!r} executed but was never announced in metadata") from None
-            self._prepare_cache = (self._slot_epoch, ids, slots)
+            self._prepare_cache = (self._table.epoch, ids, slots)
         if not rows.flags.c_contiguous:
             rows = np.ascontiguousarray(rows)
         step = PendingStep(self._seq, ids, slots, ts, qsl, rows)
@@ -625,7 +519,7 @@ class WorkerConnector:
             and self.max_concurrent_batches == 1 and step.impossible is None
         ):  # fmt: skip
             step.out = self._lane_step(step, lane)  # (None: not a lane step; process_output commits it)
-            self.lane_prepared += step.out is not None
+            self.lane_stats.prepared += step.out is not None
         self._pending_steps.append(step)
         return step
 
@@ -687,7 +581,7 @@ class WorkerConnector:
             out = self._lane_step(p, lane) if none_rejected and p.slots is lane.slots else None
             if out is not None:
                 return out
-            self._drop_lane()
+            self._leave_lane()
         bs = self.block_size
         slots, rows, ts = p.slots, p.rows, p.token_starts
         if none_rejected:
@@ -703,19 +597,19 @@ class WorkerConnector:
         self._check_rows(p, n_exec, rejected)
         kept = n_exec - rejected
 
-        cur = self._capture[slots]
+        cur = self._table.capture[slots]
         fresh = cur < 0
         cur = np.where(fresh, ts, cur)
         gap = ts > cur
         cap = np.where(gap, cur, ts)  # re-attach rows of an optimistic schedule at the real cursor
         broken = (ts < cur) | (fresh & (cap % bs != 0))
         if np.count_nonzero(gap):
-            broken |= gap & (cur >= self._sched[slots])
+            broken |= gap & (cur >= self._table.sched[slots])
         if np.count_nonzero(broken):
             return self._commit_apart(p, rejected, broken, fresh, cur)
         end = cap + kept
-        self._capture[slots] = end
-        self._sched[slots] = ts + n_exec
+        self._table.capture[slots] = end
+        self._table.sched[slots] = ts + n_exec
 
         # -- staging: continue open tails, pass full blocks through, open new tails ------------
         head_blk = cap // bs
@@ -725,7 +619,7 @@ class WorkerConnector:
         first_full = np.where(has_head, head_blk + 1, head_blk)
         stop_full = end // bs
         trail = (end % bs != 0) & (stop_full >= first_full)
-        old_tail = self._tail[slots]
+        old_tail = self._table.tail[slots]
         if np.count_nonzero(has_head & (old_tail < 0)):
             raise InvariantError("open tail block lost its staging slot")
         trail_idx = np.flatnonzero(trail)
@@ -746,7 +640,7 @@ class WorkerConnector:
         tail = old_tail.copy()
         tail[head_done] = -1
         tail[trail_idx] = new_tail
-        self._tail[slots] = tail
+        self._table.tail[slots] = tail
 
         # -- publish complete keyed blocks (whole batch, before any read) ----------------------
         retain, release = self._pins_after_capture(slots)
@@ -754,22 +648,20 @@ class WorkerConnector:
         objects = BlockObjects(nbytes=nbytes)
         pool_keys: list[str] = []
         pool_pub: list[int] = []
-        stage_views: list[tuple[int, int, int]] = []  # (slot, block index, row start in `rows`)
+        filled = np.flatnonzero(head_done)  # open tails this step filled
+        if len(filled):
+            self._key_or_stage(
+                slots[filled].tolist(), head_blk[filled].tolist(), old_tail[filled].tolist(), pool_keys, pool_pub
+            )
+        stage_views: list[tuple[int, int, int]] = []  # (request slot, block index, row start in `rows`)
         flat = rows.reshape(-1).view(np.uint8)
-        todo = np.flatnonzero(head_done | (stop_full > first_full))
-        for i, s, hd, hb, b0, b1, base in zip(
-            todo.tolist(), slots[todo].tolist(), head_done[todo].tolist(), head_blk[todo].tolist(),
-            first_full[todo].tolist(), stop_full[todo].tolist(), (qs[todo] - cap[todo]).tolist(),
-        ):  # fmt: skip
-            keys = self._keys[s]
-            nkeys = len(keys)
-            if hd:
-                if hb < nkeys:
-                    pool_keys.append(keys[hb])
-                    pool_pub.append(int(old_tail[i]))
-                else:
-                    self._staged[s][hb] = int(old_tail[i])
-            kb = min(b1, nkeys)
+        todo = np.flatnonzero(stop_full > first_full)  # full blocks in this step's rows
+        keys_of = self._table.keys
+        for s, b0, b1, base in zip(
+            slots[todo].tolist(), first_full[todo].tolist(), stop_full[todo].tolist(), (qs[todo] - cap[todo]).tolist()
+        ):
+            keys = keys_of[s]
+            kb = min(b1, len(keys))
             if kb > b0:  # keyed full blocks: a zero-copy view of this step's rows
                 byte0 = (base + b0 * bs) * self._token_nbytes
                 objects.add(keys[b0:kb], flat[byte0 : byte0 + (kb - b0) * nbytes].reshape(kb - b0, nbytes))
@@ -780,18 +672,18 @@ class WorkerConnector:
             src = np.array([v[2] for v in stage_views], dtype=_I64)
             self.pool.blocks[dst] = rows[src[:, None] + np.arange(bs, dtype=_I64)]
             for (s, b, _), d in zip(stage_views, dst.tolist()):
-                self._staged[s][b] = d
+                self._table.staged[s][b] = d
         self._publish(objects, pool_keys, pool_pub, retain, release)
 
         # -- emit from each request's own cursor -------------------------------------------------
-        emit = self._emit[slots]
+        emit = self._table.emit[slots]
         do_emit = emit <= end  # rows are emitted as soon as they are captured (not only when sampling)
         lo = np.full(len(slots), -1, dtype=_I64)
         hi = np.full(len(slots), -1, dtype=_I64)
         fast = do_emit & (emit >= cap)
         lo[fast] = qs[fast] + (emit[fast] - cap[fast])
         hi[fast] = qs[fast] + kept[fast]
-        self._emit[slots[do_emit]] = end[do_emit]
+        self._table.emit[slots[do_emit]] = end[do_emit]
         errors: dict[str, str] = {}
         heads: dict[str, tuple[np.ndarray | StoreRows, int]] = {}
         slow = np.flatnonzero(do_emit & (emit < cap))
@@ -822,7 +714,7 @@ class WorkerConnector:
         """A step whose snapshot holds rows no router can produce: the requests they belong to are
         committed apart (nothing of theirs stored or emitted, an error each), the rest as usual."""
         assert p.impossible is not None and self._row_check is not None
-        self._drop_lane()
+        self._leave_lane()
         q = p.query_start_loc
         n = len(p.req_ids)
         bad_rows = np.flatnonzero(p.impossible[: int(q[n])])
@@ -869,8 +761,8 @@ class WorkerConnector:
             else:
                 why = f"capture has an unbacked token gap: step starts at {t}, capture cursor {c} is not inside a rejected draft range"
             s = int(p.slots[i])
-            if self._emit[s] != NO_EMIT:  # reported once per incarnation (later steps in flight stay silent)
-                self._emit[s] = NO_EMIT
+            if self._table.emit[s] != NO_EMIT:  # reported once per incarnation (later steps in flight stay silent)
+                self._table.emit[s] = NO_EMIT
                 errors[rid] = why if reasons is not None else f"InvariantError: {why}"
         keep = np.flatnonzero(~broken)
         n = len(p.req_ids)
@@ -911,10 +803,10 @@ class WorkerConnector:
         be read gets an entry in ``errors`` and emits nothing.
         """
         bs = self.block_size
-        keys = self._keys
+        keys = self._table.keys
         s_slow = slots[slow]
         e_slow, c_slow = emit[slow], cap[slow]
-        stored = np.minimum(self._nkeys[s_slow], self._capture[s_slow] // bs) * bs
+        stored = np.minimum(self._table.nkeys[s_slow], self._table.capture[s_slow] // bs) * bs
         whole = (e_slow % bs == 0) & (c_slow % bs == 0) & (c_slow <= stored)
         order = np.concatenate([np.flatnonzero(whole), np.flatnonzero(~whole)])  # whole heads first
         n_before = (c_slow - e_slow)[order]
@@ -949,7 +841,7 @@ class WorkerConnector:
         for j in range(first, len(idx)):
             s = sl[j]
             head = out[a_[j] - base : b_[j] - base]
-            stored_end = min(c[j], min(len(keys[s]), int(self._capture[s]) // bs) * bs)
+            stored_end = min(c[j], min(len(keys[s]), int(self._table.capture[s]) // bs) * bs)
             n_read = -(-stored_end // bs) - e[j] // bs if e[j] < stored_end else 0  # (as _read_into reads)
             try:
                 self._read_into(s, e[j], c[j], head)
@@ -960,7 +852,7 @@ class WorkerConnector:
                 self._lost.extend(missing if missing else keys[s][: c[j] // bs])
                 # nothing delivered; the engine restarts this incarnation, whose steps still in
                 # flight must neither emit nor report the failure again
-                self._emit[s] = NO_EMIT
+                self._table.emit[s] = NO_EMIT
                 continue
             self._count_read(n_read)
             done.append((idx[j], head))
@@ -995,16 +887,16 @@ class WorkerConnector:
         if bs == 1 or n == 0:
             return None
         ts_bytes = ts.tobytes()  # (int64 both sides: equal bytes are equal cursors; cheaper than a compare)
-        if self._capture[slots].tobytes() != ts_bytes:  # first capture, or re-attaching a draft gap
+        if self._table.capture[slots].tobytes() != ts_bytes:  # first capture, or re-attaching a draft gap
             return None
-        emit = self._emit[slots]
+        emit = self._table.emit[slots]
         all_emit = emit.tobytes() == ts_bytes  # (the usual step: then none is behind)
         if not all_emit and np.count_nonzero(emit < ts):  # rows before this step must come from the store
             return None
         q0 = int(p.query_start_loc[0])
         end = ts + 1
         pos = ts % bs
-        tail = self._tail[slots]  # (a gathered copy)
+        tail = self._table.tail[slots]  # (a gathered copy)
         opening = pos == 0
         n_open = int(np.count_nonzero(opening))
         if n_open:
@@ -1013,80 +905,51 @@ class WorkerConnector:
             raise InvariantError("open tail block lost its staging slot")
         self.pool.blocks[tail, pos] = rows[q0 : q0 + n]  # (two index arrays: no flat index to compute)
         fills = pos == bs - 1
-        self._capture[slots] = end
-        self._sched[slots] = end
+        self._table.capture[slots] = end
+        self._table.sched[slots] = end
         if np.count_nonzero(fills):
             done = np.flatnonzero(fills)
             self._publish_filled(slots[done], tail[done].tolist(), (ts[done] // bs).tolist())
             tail[done] = -1
-        self._tail[slots] = tail
+        self._table.tail[slots] = tail
 
         qs = p.query_start_loc[:n]
         if all_emit:  # every request emits its one row (emit <= end)
             lo = qs
             hi = p.query_start_loc[1 : n + 1]  # (one row each: qs + 1; the pending step is dropped after)
-            self._emit[slots] = end
+            self._table.emit[slots] = end
             if slots is self._lane_candidate:  # the second such step of this batch: enter the lane
-                self._start_lane(p, end)
+                self._lane = DecodeLane(self._table, self.pool, bs, slots, end, p.query_start_loc)
             self._lane_candidate = slots
         else:
             do_emit = emit <= end
             lo = np.where(do_emit, qs + (emit - ts), -1)
             hi = np.where(do_emit, qs + 1, -1)
-            self._emit[slots[do_emit]] = end[do_emit]
+            self._table.emit[slots[do_emit]] = end[do_emit]
         published, lost = self._route_events()
         return StepOutput(p.req_ids, emit, lo, hi, rows, {}, published, lost)  # (req_ids: our copy)
 
     # -- the decode lane: a repeated decode batch ------------------------------------------------
-    def _start_lane(self, p: PendingStep, end: np.ndarray) -> None:
-        """Enter the lane after a decode step (cursors at ``end``): open a tail where one just filled."""
-        bs = self.block_size
-        slots = p.slots
-        pos = end % bs
-        tail = self._tail[slots]
-        need = np.flatnonzero(pos == 0)
-        if len(need):
-            fresh = self.pool.alloc(len(need))
-            tail[need] = fresh
-            self._tail[slots[need]] = fresh
-        due: dict[int, list[int]] = {}
-        for i, wait in enumerate((bs - 1 - pos).tolist()):
-            due.setdefault(wait, []).append(i)
-        ramp = self._ramp
-        q = p.query_start_loc
-        n = len(slots)
-        lo, hi = q[:n].copy(), q[1 : n + 1].copy()
-        lo.flags.writeable = hi.flags.writeable = False
-        self._lane = _DecodeLane(slots, end + ramp, tail * bs + pos + ramp[:-1], q.tobytes(), int(q[0]), lo, hi, due)
-
-    def _lane_step(self, p: PendingStep, lane: _DecodeLane) -> StepOutput | None:
-        """One decode step of the lane's batch (None: not one; the caller drops the lane)."""
+    def _lane_step(self, p: PendingStep, lane: DecodeLane) -> StepOutput | None:
+        """One decode step of the lane's batch (None: not one; the caller leaves the lane)."""
         ts = p.token_starts
-        q = p.query_start_loc
-        j = lane.j
-        if ts.tobytes() != lane.ends[j].tobytes() or q.tobytes() != lane.q_bytes:
+        if not lane.expects(ts, p.query_start_loc):
             return None
-        return self._lane_advance(lane, p.req_ids, ts, p.rows, ts.tolist() if lane.q0 == 0 else None)
+        return self._lane_advance(lane, p.req_ids, ts, p.rows, ts.tolist() if lane.first_row == 0 else None)
 
     def _lane_advance(
-        self, lane: _DecodeLane, req_ids: list[str], ts: np.ndarray, rows: np.ndarray, one_row: list[int] | None
+        self, lane: DecodeLane, req_ids: list[str], ts: np.ndarray, rows: np.ndarray, one_row: list[int] | None
     ) -> StepOutput:
-        """Commit the lane's next step (checked by the caller): queue its rows, move the window."""
-        j = lane.j
-        lane.pending.append((j, rows))  # (into the pool later, several steps in one call)
-        lane.behind = True  # (so are the cursors: they are lane.ends[lane.j] meanwhile)
-        j = lane.j = j + 1
-        if j == len(lane.flats):  # the next window: rows go on where this one's went
-            self._settle_lane(lane)  # (with this window's rows and cursors)
-            ramp = self._ramp
-            lane.ends, lane.flats = lane.ends[j] + ramp, lane.flats[j - 1] + 1 + ramp[:-1]
-            lane.meta_ends = lane.batch_ends = None
-            lane.j = 0
-        due = lane.due.pop(lane.step, None)
-        lane.step += 1
-        self.lane_steps += 1
-        if due is not None or not lane.step % _LANE_DRAIN_EVERY:
-            published, lost = self._route_events() if due is None else self._lane_fill(lane, due)
+        """Commit the lane's next step (checked by the caller); publish the tails it filled."""
+        due = lane.advance(rows)
+        self.lane_stats.steps += 1
+        if due is not None:
+            filled = lane.take_filled(due)
+            self._publish_filled(filled.slots, filled.pool_blocks, filled.block_index)
+            lane.reopen(filled)
+            published, lost = self._route_events()  # (drained after the publication: its evictions included)
+        elif not lane.steps % _LANE_DRAIN_EVERY:
+            published, lost = self._route_events()
         else:  # (the store's report of lost keys, a chain of calls that run cold, waits a few steps)
             published, self._published = self._published, []
             lost, self._lost = self._lost, []
@@ -1113,8 +976,8 @@ class WorkerConnector:
         if lane is None or (self._row_check is not None and self._impossible(rows, query_start_loc[-1]) is not None):
             return None
         return StepOutput(
-            req_ids, lane.ends[lane.j], lane.lo, lane.hi, rows, {}, [], [],
-            one_row_starts=token_starts if lane.q0 == 0 else None,
+            req_ids, lane.next_positions, lane.lo, lane.hi, rows, {}, [], [],
+            one_row_starts=token_starts if lane.first_row == 0 else None,
         )  # fmt: skip
 
     def commit_lane_step(
@@ -1136,15 +999,16 @@ class WorkerConnector:
         ):  # fmt: skip
             return None
         self._step_ready = True  # (begin_step: a steady step of the lane; new hashes are all it may bring)
-        self.lane_begins += 1
+        stats = self.lane_stats
+        stats.begins += 1
         if meta.block_hashes:
-            if lane.behind:
-                self._settle_lane(lane)  # (what follows reads the cursors)
             self._apply_hashes(meta, [], [], [], [])
         self._seq += 1  # (prepare_output: the step's sequence number, committed at once)
-        self.lane_prepared += 1
-        self.lane_fused += 1
-        return self._lane_advance(lane, req_ids, lane.ends[lane.j], rows, token_starts if lane.q0 == 0 else None)
+        stats.prepared += 1
+        stats.fused += 1
+        return self._lane_advance(
+            lane, req_ids, lane.next_positions, rows, token_starts if lane.first_row == 0 else None
+        )
 
     def _fits_profile(self, rows: np.ndarray) -> bool:
         """Whether ``rows`` are ``[n, *shape_per_token]`` of the profile's dtype (checked every step)."""
@@ -1154,7 +1018,7 @@ class WorkerConnector:
     def _lane_next(
         self, meta: StepMetadata, req_ids: list[str], token_starts: list[int], query_start_loc: list[int],
         rows: np.ndarray,
-    ) -> _DecodeLane | None:  # fmt: skip
+    ) -> DecodeLane | None:  # fmt: skip
         """The lane, if this is its next step as the three calls would find it (else None)."""
         lane = self._lane
         if (
@@ -1163,102 +1027,51 @@ class WorkerConnector:
         ):  # fmt: skip
             return None
         begin, prep = self._begin_cache, self._prepare_cache
-        epoch = self._slot_epoch
+        epoch = self._table.epoch
         if begin is None or prep is None or begin[0] != epoch or prep[0] != epoch or prep[2] is not lane.slots:
             return None
         reqs = meta.requests
         if prep[1] != req_ids or begin[1] != list(reqs):
             return None
-        if self._lane_emit_starts(lane, begin[2]) != list(reqs.values()):  # (begin_step's steady check)
+        if lane.emit_starts(begin[2]) != list(reqs.values()):  # (begin_step's steady check)
             return None
-        if lane.batch_ends is None:  # (once per window)
-            lane.batch_ends = lane.ends.tolist()
-            lane.q_list = np.frombuffer(lane.q_bytes, dtype=_I64).tolist()
-        if token_starts != lane.batch_ends[lane.j] or query_start_loc != lane.q_list or len(rows) < lane.q_list[-1]:
+        if not lane.expects_lists(token_starts, query_start_loc, len(rows)):
             return None
         return lane
 
-    def _lane_emit_starts(self, lane: _DecodeLane, known: np.ndarray) -> list[int] | None:
-        """The lane batch's emit cursors in the order of ``known`` (its slots as the metadata lists
-        them), as a list; None if ``known`` is not the lane's batch. Built once per window."""
-        if lane.meta_known is not known:
-            where = {s: i for i, s in enumerate(lane.slots.tolist())}
-            perm = [where.get(s, -1) for s in known.tolist()]
-            if len(perm) != len(where) or -1 in perm:
-                return None
-            lane.meta_known, lane.meta_perm, lane.meta_ends = known, np.array(perm, dtype=_I64), None
-        if lane.meta_ends is None:
-            lane.meta_ends = lane.ends[:, lane.meta_perm].tolist()
-        return lane.meta_ends[lane.j]
-
-    def _lane_fill(self, lane: _DecodeLane, due: list[int]) -> tuple[list[str], list[str]]:
-        """Requests ``due`` (batch indices) just filled their tail: publish (or stage) it, open the
-        next. Returns the route events, drained after the publication (its evictions included)."""
-        bs = self.block_size
-        self._settle_lane(lane)  # (the filled blocks' rows into the pool first)
-        idx = np.array(due, dtype=_I64)
-        full = lane.slots[idx]
-        self._publish_filled(full, self._tail[full].tolist(), (lane.end[idx] // bs - 1).tolist())
-        fresh = self.pool.alloc(len(due))
-        self._tail[full] = fresh
-        j = lane.j
-        lane.flats[j:, idx] = fresh * bs + self._ramp[: len(lane.flats) - j]  # the rest of the window
-        lane.due.setdefault(lane.step + bs - 1, []).extend(due)
-        return self._route_events()
+    def _leave_lane(self) -> None:
+        """Leave the lane (if in it): its held-back rows into the pool, its tails opened ahead freed."""
+        lane = self._lane
+        if lane is None:
+            return
+        self._lane = None
+        self._lane_candidate = None
+        lane.leave()
 
     def _publish_filled(self, full: np.ndarray, blocks: list[int], block_index: list[int]) -> None:
-        """Slots ``full`` each just filled block ``block_index[i]``, staged in pool slot ``blocks[i]``:
-        pins follow their capture cursors (only a completed block moves them), and the block is
-        published if its key is known, else stays staged until its hash arrives."""
+        """Request slots ``full`` each just filled block ``block_index[i]``, staged in pool block
+        ``blocks[i]``: pins follow their capture cursors (only a completed block moves them), and
+        the block is published if its key is known, else stays staged until its hash arrives."""
         retain: list[str] = []
         release: list[str] = []
         self._sync_pins(full, retain, release)
         pool_keys: list[str] = []
         pool_pub: list[int] = []
-        for s, b, block in zip(full.tolist(), block_index, blocks):
-            keys = self._keys[s]
-            if b < len(keys):
-                pool_keys.append(keys[b])
-                pool_pub.append(block)
-            else:
-                self._staged[s][b] = block  # its hash arrives with a later step
+        self._key_or_stage(full.tolist(), block_index, blocks, pool_keys, pool_pub)
         self._publish(None, pool_keys, pool_pub, retain, release)
 
-    def _settle_lane(self, lane: _DecodeLane) -> None:
-        """Write what lane steps left for later: the rows not in the staging pool yet (one call for
-        all of them) and the batch's cursors (capture, scheduled and emit, in one call)."""
-        if not lane.behind:
-            return
-        lane.behind = False
-        self._cursors[lane.slots] = lane.ends[lane.j][:, None]
-        pending = lane.pending
-        if not pending:
-            return
-        q0, n = lane.q0, len(lane.slots)
-        if len(pending) == 1:
-            j, rows = pending[0]
-            self.pool.token_rows[lane.flats[j]] = rows.reshape(len(rows), -1)[q0 : q0 + n]
-        else:
-            steps = [j for j, _ in pending]
-            rows = np.stack([r.reshape(len(r), -1)[q0 : q0 + n] for _, r in pending])  # [steps, n, row]
-            self.pool.token_rows[lane.flats[steps]] = rows
-        pending.clear()
-
-    def _drop_lane(self) -> None:
-        """Leave the lane: its rows into the pool; tails it opened ahead (nothing written yet) go
-        back to the pool."""
-        lane = self._lane
-        if lane is None:
-            return
-        self._settle_lane(lane)
-        self._lane = None
-        self._lane_candidate = None
-        ahead = np.flatnonzero(lane.end % self.block_size == 0)
-        if len(ahead):
-            slots = lane.slots[ahead]
-            self.pool.free(self._tail[slots])
-            self._tail[slots] = -1
-
+    def _key_or_stage(
+        self, slots: list[int], block_index: list[int], blocks: list[int], pool_keys: list[str], pool_pub: list[int]
+    ) -> None:
+        """Filled pool blocks: one whose key is known goes to ``pool_keys``/``pool_pub`` (for
+        ``_publish``), the rest stay staged until their hashes arrive with a later step."""
+        keys, staged = self._table.keys, self._table.staged
+        for s, b, block in zip(slots, block_index, blocks):
+            if b < len(keys[s]):
+                pool_keys.append(keys[s][b])
+                pool_pub.append(block)
+            else:
+                staged[s][b] = block
     def _pins_after_capture(self, slots: np.ndarray) -> tuple[list[str], list[str]]:
         """Retain/release lists for slots whose capture cursor just moved (already stored in ``_capture``)."""
         retain: list[str] = []
@@ -1275,21 +1088,21 @@ class WorkerConnector:
         would let live requests hold more objects than the KV cache has blocks). One pass of
         numpy calls for the whole step; a Python loop only over the slots whose pins changed.
         """
-        nkeys = self._nkeys[slots]
+        nkeys = self._table.nkeys[slots]
         # no capture yet (-1, so cap // bs == -1): the mask turns -1 into a limit above any key count
-        target = np.minimum(nkeys, (self._capture[slots] // self.block_size) & _NO_LIMIT)
-        have = self._pinned[slots]
+        target = np.minimum(nkeys, (self._table.capture[slots] // self.block_size) & _NO_LIMIT)
+        have = self._table.pinned[slots]
         changed = np.flatnonzero(target != have)  # integer indices: cheaper to gather than a mask
         if not len(changed):
             return
         target, moved = target[changed], slots[changed]
         for s, t, h in zip(moved.tolist(), target.tolist(), have[changed].tolist()):
-            keys = self._keys[s]
+            keys = self._table.keys[s]
             if t > h:
                 retain.extend(keys[h:t])
             else:
                 release.extend(reversed(keys[t:h]))
-        self._pinned[moved] = target
+        self._table.pinned[moved] = target
 
     def _publish(
         self,
@@ -1333,8 +1146,8 @@ class WorkerConnector:
         Complete keyed blocks come from the store, the rest from the staging pool.
         """
         bs = self.block_size
-        keys = self._keys[s]
-        stored_end = min(t1, min(len(keys), int(self._capture[s]) // bs) * bs)
+        keys = self._table.keys[s]
+        stored_end = min(t1, min(len(keys), int(self._table.capture[s]) // bs) * bs)
         pos = t0
         if t0 < stored_end:
             b0, b1 = t0 // bs, -(-stored_end // bs)
@@ -1345,14 +1158,14 @@ class WorkerConnector:
                 self._store_read(keys[b0:b1], tmp)
                 out[: stored_end - t0] = tmp[t0 - b0 * bs : stored_end - b0 * bs]
             pos = stored_end
-        tail_blk = int(self._capture[s]) // bs if self._tail[s] >= 0 else -1
+        tail_blk = int(self._table.capture[s]) // bs if self._table.tail[s] >= 0 else -1
         while pos < t1:
             b = pos // bs
-            slot = self._staged[s].get(b, -1)
+            slot = self._table.staged[s].get(b, -1)
             if slot < 0 and b == tail_blk:
-                slot = int(self._tail[s])
+                slot = int(self._table.tail[s])
             if slot < 0:
-                raise InvariantError(f"rows [{pos}, {t1}) of request {self._rid[s]!r} are neither stored nor staged")
+                raise InvariantError(f"rows [{pos}, {t1}) of request {self._table.rid[s]!r} are neither stored nor staged")
             hi = min(t1, (b + 1) * bs)
             out[pos - t0 : hi - t0] = self.pool.blocks[slot, pos - b * bs : hi - b * bs]
             pos = hi
@@ -1371,7 +1184,7 @@ class WorkerConnector:
         return len(self._pending_steps)
 
     def tracked_requests(self) -> list[str]:
-        return list(self._slot_of)
+        return list(self._table.slot_of)
 
     def close(self) -> None:
         """Drop in-flight outputs and close the store (re-raises a recorded writer failure)."""

@@ -213,10 +213,10 @@ def run_scenario(sc: dict, stats: dict | None = None) -> int:
         eng.store.flush()
         peer.close()
     if stats is not None:
-        stats["lane_steps"] = eng.worker.lane_steps
-        stats["lane_prepared"] = eng.worker.lane_prepared
-        stats["lane_begins"] = eng.worker.lane_begins
-        stats["lane_fused"] = eng.worker.lane_fused
+        stats["lane_steps"] = eng.worker.lane_stats.steps
+        stats["lane_prepared"] = eng.worker.lane_stats.prepared
+        stats["lane_begins"] = eng.worker.lane_stats.begins
+        stats["lane_fused"] = eng.worker.lane_stats.fused
         stats["listed_steps"] = eng.scheduler.listed_steps
         stats["bulk_taken"] = eng.bulk_taken
         stats["steps"] = eng.num_steps

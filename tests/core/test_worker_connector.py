@@ -1026,8 +1026,8 @@ def test_final_steps_commit_when_prepared_and_equal_the_commit_after_sampling() 
             assert_emits(outs[0], rid, start, t[start : start + 1])
             assert_emits(outs[1], rid, start, t[start : start + 1])
         assert outs[0].published == outs[1].published
-    assert early.lane_prepared > 0 and late.lane_prepared == 0
-    assert early.lane_steps == late.lane_steps
+    assert early.lane_stats.prepared > 0 and late.lane_stats.prepared == 0
+    assert early.lane_stats.steps == late.lane_stats.steps
     assert [p[0] for p in spy_e.puts] == [p[0] for p in spy_l.puts]
     published = [k for p in spy_e.puts for k in p[0]]
     assert published and stored(spy_e, *published) == stored(spy_l, *published)
@@ -1058,7 +1058,7 @@ def test_lane_checks_the_scheduler_emit_starts_in_any_metadata_order(meta_order:
         out = w.process_output(p, [1, 1])
         for r in "ab":
             assert_emits(out, r, pos[r], t[r][pos[r] : pos[r] + n[r]])
-    assert w.lane_prepared > 0 and w.lane_begins >= w.lane_prepared - 1
+    assert w.lane_stats.prepared > 0 and w.lane_stats.begins >= w.lane_stats.prepared - 1
     nxt = {r: steps + lead[r] for r in meta_order}
     ahead = dict(nxt, b=nxt["b"] + 1)
     with pytest.raises(InvariantError, match=rf"emit cursor moved ahead .*'b'.*emit_start={nxt['b'] + 1}"):
@@ -1097,7 +1097,7 @@ def test_lane_reports_the_store_lost_keys_within_a_few_steps() -> None:
         out = w.process_output(p)
         if out.lost:
             reported.append((k, out.lost))
-    assert w.lane_steps > bs
+    assert w.lane_stats.steps > bs
     assert reported and reported[0][1] == ["gone"] and len(reported) == 1
     assert reported[0][0] - (bs + 2) <= _LANE_DRAIN_EVERY, reported  # a few steps late at most
     assert store.drains < steps // 2  # (most lane steps did not call the store)
@@ -1119,7 +1119,7 @@ def test_lane_rows_written_late_reach_the_store_when_the_batch_changes_mid_block
         out = w.process_output(p)
         for r in live:
             assert_emits(out, r, k, t[r][k : k + 1])
-    assert w.lane_steps >= 3  # the lane ran (a mid-block stretch of it included), and was left
+    assert w.lane_stats.steps >= 3  # the lane ran (a mid-block stretch of it included), and was left
     assert stored(spy, key(100), key(101)) == t["a"][: 2 * BS].tobytes()
 
 
@@ -1212,7 +1212,7 @@ def test_a_peeked_lane_step_is_what_the_connector_then_returns(ops: list[str], s
             assert peek.published == [] and peek.lost == []
     assert spy_p.puts == spy_q.puts  # (peeking never moved the connector: same publications and pins)
     if hits:  # (a prediction was checked above: the lane ran)
-        assert peeker.lane_steps >= hits
+        assert peeker.lane_stats.steps >= hits
 
 
 def _same_output(a: StepOutput, b: StepOutput) -> None:
@@ -1254,8 +1254,8 @@ def test_a_fused_lane_step_equals_the_three_calls(ops: list[str], seed: int) -> 
         for r, start, want in batch:
             assert_emits(out, r, start, want)
         assert spy_f.puts == spy_p.puts, k
-    assert (fused.lane_steps, fused.lane_prepared) == (plain.lane_steps, plain.lane_prepared)
-    assert fused.lane_fused <= fused.lane_steps and plain.lane_fused == 0
+    assert (fused.lane_stats.steps, fused.lane_stats.prepared) == (plain.lane_stats.steps, plain.lane_stats.prepared)
+    assert fused.lane_stats.fused <= fused.lane_stats.steps and plain.lane_stats.fused == 0
 
 
 def test_commit_lane_step_takes_the_steady_steps_and_declines_the_rest() -> None:
@@ -1279,13 +1279,13 @@ def test_commit_lane_step_takes_the_steady_steps_and_declines_the_rest() -> None
         for r in "ab":
             assert_emits(out, r, s, t[r][s : s + 1])
     assert not any(taken[:2]) and all(taken[3:]), taken
-    assert w.lane_fused == sum(taken)
-    assert w.store.contains([k for r in "ab" for k in w._keys[w._slot_of[r]]]) == [True] * (2 * (40 // BS))
+    assert w.lane_stats.fused == sum(taken)
+    assert w.store.contains([k for r in "ab" for k in w._table.keys[w._table.slot_of[r]]]) == [True] * (2 * (40 // BS))
     s = 40
     rows = np.concatenate([t["a"][s : s + 1]])
-    before = w.lane_steps
+    before = w.lane_stats.steps
     assert w.commit_lane_step(meta({"a": s}, None, ("b",)), ["a"], [s], [0, 1], rows) is None
-    assert w.lane_steps == before  # (declined: nothing moved)
+    assert w.lane_stats.steps == before  # (declined: nothing moved)
 
 
 def test_peek_predicts_the_steady_decode_steps_and_nothing_else() -> None:
