@@ -2,7 +2,7 @@
 
 Wraps auxout's per-step methods with ``time.perf_counter`` and runs ``dataplane.main`` with the
 same arguments, then prints each method's total, calls and time per call. The timers add their own
-cost (a few hundred ns a call) and nest (``process_output`` includes ``_commit``); a method run on
+cost (a few hundred ns a call) and nest (``process_output`` includes ``_commit``, which includes ``StoreWriter.publish``); a method run on
 the store's writer thread counts its wall time there, GIL waits included.
 
     .venv/bin/python benchmarks/dataplane_calls.py --only prefill --no-vllm --repeats 7
@@ -19,14 +19,16 @@ import dataplane  # noqa: E402
 from engine_hooks import TIMES, timed  # noqa: E402
 
 from auxout.connector.scheduler import SchedulerConnector  # noqa: E402
+from auxout.connector.store_io import StoreWriter  # noqa: E402
 from auxout.connector.worker import WorkerConnector  # noqa: E402
 from auxout.keys import ChainKeys, KeySpace  # noqa: E402
 from auxout.stores.arena import ArenaStore  # noqa: E402
 from auxout.stores.background import BackgroundStore  # noqa: E402
 
 TIMED: tuple[tuple[type, tuple[str, ...]], ...] = (
-    (WorkerConnector, ("begin_step", "prepare_output", "process_output", "_commit", "_put", "_publish",
-                       "_sync_pins", "_teardown", "_remember_chain", "_route_events")),
+    (WorkerConnector, ("begin_step", "prepare_output", "process_output", "_commit", "_sync_pins", "_teardown",
+                       "_remember_chain")),
+    (StoreWriter, ("put", "publish", "events")),
     (SchedulerConnector, ("build_metadata", "take_output_parts", "take_step", "request_finished", "add_request")),
     (ChainKeys, ("keys_batch",)),
     (KeySpace, ("keys_batch",)),

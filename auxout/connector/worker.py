@@ -20,8 +20,6 @@ new slot; the in-flight step still refers to the old one.
 
 from __future__ import annotations
 
-import sys
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from itertools import repeat
@@ -33,17 +31,14 @@ from auxout.connector.decode_lane import DecodeLane, LaneStats
 from auxout.connector.messages import NO_EMIT, StepMetadata, StepOutput
 from auxout.connector.slot_table import SlotTable
 from auxout.connector.staging import StagingPool, staging_pool_blocks
+from auxout.connector.store_io import StoreReader, StoreWriter
 from auxout.errors import (
-    BlockStoreError,
     InvariantError,
-    ObjectMissingError,
-    StoreCapacityError,
-    StoreUnavailableError,
 )
 from auxout.keys import ChainKeys, KeySpace, PackedHashes
-from auxout.metrics import COUNTS, store_backend
+from auxout.metrics import COUNTS
 from auxout.profile import RouteProfile
-from auxout.stores.base import BlockObjects, BlockStore, StoreObject, object_keys, read_into
+from auxout.stores.base import BlockObjects, BlockStore, StoreObject
 from auxout.stores.rows import StoreRows
 
 if TYPE_CHECKING:  # (auxout.connector.row_check loads numba: only the engines that check rows import it)
@@ -87,43 +82,6 @@ def _ranges(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndar
     seg = np.repeat(np.arange(len(counts), dtype=_I64), counts)
     off = np.arange(total, dtype=_I64) - np.repeat(_excl_cumsum(counts), counts)
     return seg, off
-
-
-class _BufferRecycler:
-    """Output buffers for rows read back from the store, reused once nobody holds a view.
-
-    A fresh multi-megabyte array costs page faults and kernel zeroing comparable to the copy
-    itself, and far more when the kernel compacts memory for the transparent huge pages numpy
-    asks for (measured: a cold multi-turn run 3x slower than a warm one). So buffers come in
-    power-of-two sizes (interchangeable, at most 2x over) and live in one pool per process and
-    row shape, which outlives any one connector (an engine rebuilds its connector on re-init).
-    A buffer is handed out again only when its reference count shows that no view of it (a
-    chunk the scheduler or frontend still holds) is alive.
-    """
-
-    _pools: dict[tuple[str, str, tuple[int, ...]], list[np.ndarray]] = {}
-    _lock = threading.Lock()
-
-    def __init__(self, profile: RouteProfile, keep: int = 4, kind: str = "out") -> None:
-        self.profile = profile
-        self.keep = keep
-        with self._lock:
-            self._buffers = self._pools.setdefault((kind, profile.dtype.str, profile.shape_per_token), [])
-
-    def take(self, rows: int) -> np.ndarray:
-        with self._lock:
-            buffers = self._buffers
-            for i in range(len(buffers)):
-                # references: the list and getrefcount's argument (enumerate() would add its tuple)
-                if len(buffers[i]) >= rows and sys.getrefcount(buffers[i]) <= 2:
-                    buf = buffers.pop(i)
-                    buffers.append(buf)  # most recently used last
-                    return buf[:rows]
-            buf = self.profile.empty(1 << max(rows - 1, 1023).bit_length())
-            buffers.append(buf)
-            if len(buffers) > self.keep:
-                buffers.pop(0)
-            return buf[:rows]
 
 
 class WorkerConnector:
@@ -188,14 +146,8 @@ class WorkerConnector:
         self._step_ready = False
         self._seq = 0
         self._closed = False
-        self.dropped_batches = 0  # publications the store rejected for capacity (reads then fail closed)
-        self._published: list[str] = []  # keys put since the last output
-        self._lost: list[str] = []  # keys dropped or found missing since the last output
-        self._out_buffers = _BufferRecycler(profile)
-        # prefix reads left in an in-process store's arena (None: the store copies them out)
-        self._read_rows = getattr(store, "read_rows", None)
-        self._drain_lost = getattr(store, "drain_lost", None)
-        self._backend = store_backend(store)  # (the label of this store's counters in auxout.metrics)
+        self._writer = StoreWriter(profile, block_size, store, self.pool)
+        self._reader = StoreReader(profile, block_size, store, self._table, self.pool)
         # (table epoch, request ids, request slots) of the last batch seen by begin_step /
         # prepare_output, valid while the epoch stands (a decode step repeats its batch: no
         # per-request lookups then)
@@ -204,10 +156,6 @@ class WorkerConnector:
         self._lane: DecodeLane | None = None
         self._lane_candidate: np.ndarray | None = None  # request slots of the last decode step
         self.lane_stats = LaneStats()
-        self._block_shape = (block_size, *profile.shape_per_token)
-        # staged blocks copied out for publication: reused once the store dropped its views (a
-        # queued batch holds them until the writer applied it)
-        self._pub_buffers = _BufferRecycler(profile, keep=8, kind="publish")
         self._row_check = row_check
         self._checked: tuple[np.ndarray | None, int, np.ndarray | None] = (None, 0, None)  # (rows, n, result)
         self.impossible_requests = 0  # request steps refused for impossible rows (a counter for metrics)
@@ -249,6 +197,7 @@ class WorkerConnector:
     # -- step API ---------------------------------------------------------------------------
     def begin_step(self, meta: StepMetadata | None) -> None:
         """Apply one step's metadata; ``None`` marks an internal (warm-up/dummy) step."""
+        table = self._table
         if self._closed:  # (checked inline: a call per hook runs cold)
             self._check_open()
         self._step_ready = meta is not None
@@ -265,20 +214,20 @@ class WorkerConnector:
             # published or emitted, and they no longer hold the slots being torn down.
             self._void_seqs.update(p.seq for p in self._pending_steps)
             # (requests that finished with an output in flight too: their teardown waited for it)
-            release = self._teardown(list(self._table.slot_of.values()) + sorted(self._awaiting))
-            self._table.slot_of.clear()
+            release = self._teardown(list(table.slot_of.values()) + sorted(self._awaiting))
+            table.slot_of.clear()
             self.pool.reset()
-            self._table.tail[:] = -1
+            table.tail[:] = -1
             self.generation = meta.generation
             if self._weights_digest is not None:
                 self._name_generation(self._weights_digest)
-        slot_of = self._table.slot_of
+        slot_of = table.slot_of
         retain: list[str] = []
         keyed: list[int] = []
         done: list[int] = []
         # terminal events first: a request may end one incarnation and start the next this step
         if meta.finished:
-            self._table.epoch += 1  # (an id may come back with a new slot while the old one awaits teardown)
+            table.epoch += 1  # (an id may come back with a new slot while the old one awaits teardown)
         for rid in meta.finished:
             s = slot_of.pop(rid, None)
             if s is None:
@@ -287,10 +236,10 @@ class WorkerConnector:
             if packed is None and rid not in meta.requests:  # older engines: trailing hashes ride along
                 packed = meta.block_hashes.get(rid)
             if packed is not None:
-                self._table.hashes[s].append(packed)
+                table.hashes[s].append(packed)
                 self._add_keys(s, self.keyspace.keys(packed, self.generation), retain, release)
             self._remember_chain(s)
-            if self._table.staged[s]:
+            if table.staged[s]:
                 keyed.append(s)
             if not self._busy(s):
                 done.append(s)
@@ -300,7 +249,7 @@ class WorkerConnector:
         names = list(reqs)
         cache = self._begin_cache
         steady = False
-        if cache is not None and cache[0] == self._table.epoch and cache[1] == names:
+        if cache is not None and cache[0] == table.epoch and cache[1] == names:
             known = cache[2]  # (the same batch as the last step: every slot known)
             old = None
             lane = self._lane
@@ -315,7 +264,7 @@ class WorkerConnector:
             starts = np.fromiter(reqs.values(), dtype=_I64, count=len(reqs))
             all_old = old is None or np.count_nonzero(old) == len(old)
             ks, ss = (known, starts) if all_old else (known[old], starts[old])
-            emit = self._table.emit[ks]
+            emit = table.emit[ks]
             # (equal bytes: the steady state, checked without a ufunc, which costs ~20 us cold after a forward)
             if ss.tobytes() != emit.tobytes() and np.count_nonzero(ss > emit):  # ahead, unless output is in flight
                 idle = np.array([not self._busy(s) for s in ks.tolist()], dtype=bool)
@@ -325,14 +274,14 @@ class WorkerConnector:
                     rid = list(reqs)[i]
                     raise InvariantError(
                         f"scheduler emit cursor moved ahead of the worker for request {rid!r}: "
-                        f"emit_start={int(starts[i])}, worker emitted up to {int(self._table.emit[known[i]])}"
+                        f"emit_start={int(starts[i])}, worker emitted up to {int(table.emit[known[i]])}"
                     )
             if not all_old:
                 assert old is not None
                 for i in np.flatnonzero(~old).tolist():
                     self._new_slot(names[i], int(starts[i]))
             elif cache is None or known is not cache[2]:
-                self._begin_cache = (self._table.epoch, names, known)
+                self._begin_cache = (table.epoch, names, known)
         self._apply_hashes(meta, retain, release, keyed, done)
 
     def _apply_hashes(
@@ -340,8 +289,9 @@ class WorkerConnector:
     ) -> None:
         """The rest of ``begin_step``: new block hashes become keys (a block staged for its key is
         published), pins follow, finished requests in ``done`` are torn down; one store call."""
+        table = self._table
         reqs = meta.requests
-        slot_of = self._table.slot_of
+        slot_of = table.slot_of
         hashed: list[int] = []
         packs: list[PackedHashes] = []
         for rid, packed in meta.block_hashes.items():
@@ -353,15 +303,15 @@ class WorkerConnector:
             hashed.append(s)
             packs.append(packed)
         for s, pack in zip(hashed, packs):
-            self._table.hashes[s].append(pack)
+            table.hashes[s].append(pack)
         if hashed:
             sources: list[tuple[list[str], int] | None] | None = [] if done else None
             for s, keys in zip(hashed, self._chains.keys_batch(packs, self.generation, sources)):
-                self._table.keys[s].extend(keys)
-                if self._table.staged[s]:
+                table.keys[s].extend(keys)
+                if table.staged[s]:
                     keyed.append(s)
             idx = np.array(hashed, dtype=_I64)
-            self._table.nkeys[idx] = [len(self._table.keys[s]) for s in hashed]
+            table.nkeys[idx] = [len(table.keys[s]) for s in hashed]
             if sources and sources.count(None) != len(sources):
                 self._inherit_pins(hashed, sources, done)
             self._sync_pins(idx, retain, release)
@@ -369,7 +319,7 @@ class WorkerConnector:
         if done:
             release.extend(self._teardown(done))
         if objects or retain or release:
-            self._put(objects, retain, release)
+            self._writer.put(objects, retain, release)
         if pool_slots:
             self.pool.free(pool_slots)
 
@@ -380,17 +330,18 @@ class WorkerConnector:
         on their shared history instead of retaining what the other releases in the same batch:
         +1 and -1 on a key that stays referenced change nothing the store can show, and a long
         conversation's history is thousands of keys per turn."""
-        donors = {id(self._table.keys[d]): d for d in done}
+        table = self._table
+        donors = {id(table.keys[d]): d for d in done}
         for s, src in zip(hashed, sources):
             if src is None:
                 continue
             d = donors.get(id(src[0]))
             # (the heir is new: this pack is its first, nothing captured or pinned yet)
-            if d is None or len(self._table.hashes[s]) != 1 or self._table.capture[s] >= 0 or self._table.pinned[s]:
+            if d is None or len(table.hashes[s]) != 1 or table.capture[s] >= 0 or table.pinned[s]:
                 continue
             del donors[id(src[0])]  # one heir per finished turn
-            m = min(src[1], int(self._table.pinned[d]))
-            self._table.pinned[s] = m
+            m = min(src[1], int(table.pinned[d]))
+            table.pinned[s] = m
             self._pin_floor[d] = m  # the finished turn releases only what it keeps
 
     def _busy(self, s: int) -> bool:
@@ -404,59 +355,33 @@ class WorkerConnector:
 
     def _remember_chain(self, s: int) -> None:
         """Offer a finished request's keys for reuse: a next turn re-sends this history."""
-        chain = self._table.hashes[s]
+        table = self._table
+        chain = table.hashes[s]
         if len(chain) == 1:
-            self._chains.remember(chain[0].data, chain[0].item_size, self._table.keys[s], self.generation)
+            self._chains.remember(chain[0].data, chain[0].item_size, table.keys[s], self.generation)
         elif chain and all(p.item_size == chain[0].item_size for p in chain):
-            self._chains.remember(b"".join([p.data for p in chain]), chain[0].item_size, self._table.keys[s], self.generation)
+            self._chains.remember(b"".join([p.data for p in chain]), chain[0].item_size, table.keys[s], self.generation)
 
     def _add_keys(self, s: int, keys: list[str], retain: list[str], release: list[str]) -> None:
-        self._table.keys[s].extend(keys)
-        self._table.nkeys[s] = len(self._table.keys[s])
+        table = self._table
+        table.keys[s].extend(keys)
+        table.nkeys[s] = len(table.keys[s])
         self._sync_pins(np.array([s], dtype=_I64), retain, release)
-
-    def _put(self, objects: Sequence[StoreObject], retain: Sequence[str], release: Sequence[str]) -> None:
-        """Publish; a batch the store cannot fit or reach is dropped whole (its keys then read as missing)."""
-        try:
-            self.store.put(objects, retain=retain, release=release)
-        except (StoreCapacityError, StoreUnavailableError):
-            self.dropped_batches += 1
-            self._lost.extend(object_keys(objects))
-            COUNTS.add("store_errors", 1, self._backend, "write")
-            return
-        if objects:
-            self._published.extend(object_keys(objects))
-
-    def _route_events(self) -> tuple[list[str], list[str]]:
-        """Keys published and lost since the last output (for the scheduler's ``RouteIndex``)."""
-        published, self._published = self._published, []
-        lost, self._lost = self._lost, []
-        if self._drain_lost is not None:
-            lost.extend(self._drain_lost())
-        return published, lost
 
     def _collect_staged(self, slots: Sequence[int]) -> tuple[Sequence[StoreObject], list[int]]:
         """Objects for staged blocks that now have keys (one copy out of the pool)."""
+        table = self._table
         keys: list[str] = []
         pool_slots: list[int] = []
         for s in slots:
-            staged = self._table.staged[s]
-            nkeys = len(self._table.keys[s])
+            staged = table.staged[s]
+            nkeys = len(table.keys[s])
             for b in [b for b in staged if b < nkeys]:
-                keys.append(self._table.keys[s][b])
+                keys.append(table.keys[s][b])
                 pool_slots.append(staged.pop(b))
         if not keys:
             return [], []
-        return self._objects_from_pool(keys, pool_slots), pool_slots
-
-    def _objects_from_pool(self, keys: list[str], pool_slots: list[int]) -> BlockObjects:
-        idx = np.asarray(pool_slots, dtype=_I64)
-        bs = self.block_size
-        copy = self._pub_buffers.take(len(idx) * bs).reshape(len(idx), bs, *self.profile.shape_per_token)
-        np.take(self.pool.blocks, idx, axis=0, out=copy, mode="clip")  # one copy out of the reusable pool
-        objects = BlockObjects(nbytes=self._block_nbytes)
-        objects.add(keys, copy.reshape(len(idx), -1).view(np.uint8))
-        return objects
+        return self._writer.objects_from_pool(keys, pool_slots), pool_slots
 
     def prepare_output(
         self,
@@ -475,6 +400,7 @@ class WorkerConnector:
         a steady decode step (the lane's) is then committed here at once, where numpy already
         ran for the snapshot, instead of cold after sampling (``process_output`` returns it).
         """
+        table = self._table
         if self._closed:  # (checked inline: a call per hook runs cold)
             self._check_open()
         if not self._step_ready:
@@ -499,14 +425,14 @@ class WorkerConnector:
             raise InvariantError(f"step claims {int(qsl[-1])} rows but the snapshot has {len(rows)}")
         ids = list(req_ids)
         cache = self._prepare_cache
-        if cache is not None and cache[0] == self._table.epoch and cache[1] == ids:
+        if cache is not None and cache[0] == table.epoch and cache[1] == ids:
             slots = cache[2]  # (the same batch as the last step)
         else:
             try:
-                slots = np.fromiter(map(self._table.slot_of.__getitem__, ids), dtype=_I64, count=n)
+                slots = np.fromiter(map(table.slot_of.__getitem__, ids), dtype=_I64, count=n)
             except KeyError as exc:
                 raise InvariantError(f"request {exc.args[0]!r} executed but was never announced in metadata") from None
-            self._prepare_cache = (self._table.epoch, ids, slots)
+            self._prepare_cache = (table.epoch, ids, slots)
         if not rows.flags.c_contiguous:
             rows = np.ascontiguousarray(rows)
         step = PendingStep(self._seq, ids, slots, ts, qsl, rows)
@@ -549,7 +475,7 @@ class WorkerConnector:
             self._void_seqs.discard(pending.seq)
             self._pending_steps.pop(0)
             none = np.full(n, -1, dtype=_I64)
-            published, lost = self._route_events()
+            published, lost = self._writer.events()
             return StepOutput(
                 list(pending.req_ids), pending.token_starts.copy(), none, none.copy(), pending.rows[:0],
                 published=published, lost=lost,
@@ -569,10 +495,11 @@ class WorkerConnector:
             if awaiting:  # finished requests this was the last output of
                 done = [s for s in pending.slots.tolist() if s in awaiting and not self._busy(s)]
                 if done:
-                    self._put([], (), self._teardown(done))
+                    self._writer.put([], (), self._teardown(done))
 
     # -- the heart of the data plane ----------------------------------------------------------
     def _commit(self, p: PendingStep, rejected: np.ndarray | None) -> StepOutput:
+        table = self._table
         if p.impossible is not None:
             return self._commit_impossible(p, rejected)
         none_rejected = rejected is None or not np.count_nonzero(rejected)
@@ -597,19 +524,19 @@ class WorkerConnector:
         self._check_rows(p, n_exec, rejected)
         kept = n_exec - rejected
 
-        cur = self._table.capture[slots]
+        cur = table.capture[slots]
         fresh = cur < 0
         cur = np.where(fresh, ts, cur)
         gap = ts > cur
         cap = np.where(gap, cur, ts)  # re-attach rows of an optimistic schedule at the real cursor
         broken = (ts < cur) | (fresh & (cap % bs != 0))
         if np.count_nonzero(gap):
-            broken |= gap & (cur >= self._table.sched[slots])
+            broken |= gap & (cur >= table.sched[slots])
         if np.count_nonzero(broken):
             return self._commit_apart(p, rejected, broken, fresh, cur)
         end = cap + kept
-        self._table.capture[slots] = end
-        self._table.sched[slots] = ts + n_exec
+        table.capture[slots] = end
+        table.sched[slots] = ts + n_exec
 
         # -- staging: continue open tails, pass full blocks through, open new tails ------------
         head_blk = cap // bs
@@ -619,7 +546,7 @@ class WorkerConnector:
         first_full = np.where(has_head, head_blk + 1, head_blk)
         stop_full = end // bs
         trail = (end % bs != 0) & (stop_full >= first_full)
-        old_tail = self._table.tail[slots]
+        old_tail = table.tail[slots]
         if np.count_nonzero(has_head & (old_tail < 0)):
             raise InvariantError("open tail block lost its staging slot")
         trail_idx = np.flatnonzero(trail)
@@ -640,7 +567,7 @@ class WorkerConnector:
         tail = old_tail.copy()
         tail[head_done] = -1
         tail[trail_idx] = new_tail
-        self._table.tail[slots] = tail
+        table.tail[slots] = tail
 
         # -- publish complete keyed blocks (whole batch, before any read) ----------------------
         retain, release = self._pins_after_capture(slots)
@@ -656,7 +583,7 @@ class WorkerConnector:
         stage_views: list[tuple[int, int, int]] = []  # (request slot, block index, row start in `rows`)
         flat = rows.reshape(-1).view(np.uint8)
         todo = np.flatnonzero(stop_full > first_full)  # full blocks in this step's rows
-        keys_of = self._table.keys
+        keys_of = table.keys
         for s, b0, b1, base in zip(
             slots[todo].tolist(), first_full[todo].tolist(), stop_full[todo].tolist(), (qs[todo] - cap[todo]).tolist()
         ):
@@ -672,18 +599,18 @@ class WorkerConnector:
             src = np.array([v[2] for v in stage_views], dtype=_I64)
             self.pool.blocks[dst] = rows[src[:, None] + np.arange(bs, dtype=_I64)]
             for (s, b, _), d in zip(stage_views, dst.tolist()):
-                self._table.staged[s][b] = d
-        self._publish(objects, pool_keys, pool_pub, retain, release)
+                table.staged[s][b] = d
+        self._writer.publish(objects, pool_keys, pool_pub, retain, release)
 
         # -- emit from each request's own cursor -------------------------------------------------
-        emit = self._table.emit[slots]
+        emit = table.emit[slots]
         do_emit = emit <= end  # rows are emitted as soon as they are captured (not only when sampling)
         lo = np.full(len(slots), -1, dtype=_I64)
         hi = np.full(len(slots), -1, dtype=_I64)
         fast = do_emit & (emit >= cap)
         lo[fast] = qs[fast] + (emit[fast] - cap[fast])
         hi[fast] = qs[fast] + kept[fast]
-        self._table.emit[slots[do_emit]] = end[do_emit]
+        table.emit[slots[do_emit]] = end[do_emit]
         errors: dict[str, str] = {}
         heads: dict[str, tuple[np.ndarray | StoreRows, int]] = {}
         slow = np.flatnonzero(do_emit & (emit < cap))
@@ -692,11 +619,18 @@ class WorkerConnector:
             # store (left in an in-process arena where it can: StoreRows), their own rows stay
             # in the snapshot: a two-part span, joined only by whoever needs one array
             n = len(rows)
-            for i, head in self._read_heads(slots, emit, cap, slow, p.req_ids, errors):
+            read, failed = self._reader.read_heads(slots, emit, cap, slow)
+            for i, s, why, lost_keys in failed:
+                errors[p.req_ids[i]] = why
+                self._writer.lost.extend(lost_keys)
+                # nothing delivered; the engine restarts this incarnation, whose steps still in
+                # flight must neither emit nor report the failure again
+                table.emit[s] = NO_EMIT
+            for i, head in read:
                 heads[p.req_ids[i]] = (head, int(qs[i]))
                 lo[i] = n  # (the span counts as if the own rows followed the head: StepOutput.span_rows)
                 hi[i] = n + len(head) + kept[i]
-        published, lost = self._route_events()
+        published, lost = self._writer.events()
         return StepOutput(list(p.req_ids), emit, lo, hi, rows, errors, published, lost, heads)  # emit: a gathered copy
 
     def _impossible(self, rows: np.ndarray, n: int) -> np.ndarray | None:
@@ -747,6 +681,7 @@ class WorkerConnector:
         it from a fresh incarnation (or fails it alone after repeated tries); the rest of the
         batch commits as usual.
         """
+        table = self._table
         bs = self.block_size
         ts = p.token_starts
         errors: dict[str, str] = {}
@@ -761,15 +696,15 @@ class WorkerConnector:
             else:
                 why = f"capture has an unbacked token gap: step starts at {t}, capture cursor {c} is not inside a rejected draft range"
             s = int(p.slots[i])
-            if self._table.emit[s] != NO_EMIT:  # reported once per incarnation (later steps in flight stay silent)
-                self._table.emit[s] = NO_EMIT
+            if table.emit[s] != NO_EMIT:  # reported once per incarnation (later steps in flight stay silent)
+                table.emit[s] = NO_EMIT
                 errors[rid] = why if reasons is not None else f"InvariantError: {why}"
         keep = np.flatnonzero(~broken)
         n = len(p.req_ids)
         lo = np.full(n, -1, dtype=_I64)
         hi = np.full(n, -1, dtype=_I64)
         if not len(keep):
-            published, lost = self._route_events()
+            published, lost = self._writer.events()
             return StepOutput(list(p.req_ids), ts.copy(), lo, hi, p.rows[:0], errors, published, lost)
         qs = p.query_start_loc[:-1][keep]
         counts = p.query_start_loc[1:][keep] - qs
@@ -785,94 +720,6 @@ class WorkerConnector:
             list(p.req_ids), starts, lo, hi, out.rows, {**out.errors, **errors}, out.published, out.lost, out.heads
         )
 
-    def _read_heads(
-        self,
-        slots: np.ndarray,
-        emit: np.ndarray,
-        cap: np.ndarray,
-        slow: np.ndarray,
-        req_ids: Sequence[str],
-        errors: dict[str, str],
-    ) -> list[tuple[int, np.ndarray | StoreRows]]:
-        """Rows ``[emit, cap)`` of the requests ``slow``: ``(i, head rows)`` per success.
-
-        Heads made only of whole stored blocks (a prefix hit: the common case) are read with one
-        store call for the step: left in the arena of an in-process store (``StoreRows``, copied
-        once, by whoever joins them), else copied into one buffer. The rest (a head starting
-        mid-block, rows still staged) is read one request at a time. A request whose rows cannot
-        be read gets an entry in ``errors`` and emits nothing.
-        """
-        bs = self.block_size
-        keys = self._table.keys
-        s_slow = slots[slow]
-        e_slow, c_slow = emit[slow], cap[slow]
-        stored = np.minimum(self._table.nkeys[s_slow], self._table.capture[s_slow] // bs) * bs
-        whole = (e_slow % bs == 0) & (c_slow % bs == 0) & (c_slow <= stored)
-        order = np.concatenate([np.flatnonzero(whole), np.flatnonzero(~whole)])  # whole heads first
-        n_before = (c_slow - e_slow)[order]
-        ends = np.cumsum(n_before)
-        # per head, in read order: its request's index, slot, rows [e, c) and place [a, b) in the read
-        idx, sl, e, c = slow[order].tolist(), s_slow[order].tolist(), e_slow[order].tolist(), c_slow[order].tolist()
-        a_, b_ = (ends - n_before).tolist(), ends.tolist()
-        n_whole = int(np.count_nonzero(whole))
-        done: list[tuple[int, np.ndarray | StoreRows]] = []
-        first = 0  # heads before this one were read in one batch
-        if n_whole:
-            batch: list[str] = []
-            for j in range(n_whole):
-                batch.extend(keys[sl[j]][e[j] // bs : c[j] // bs])
-            try:
-                got = None if self._read_rows is None else self._read_rows(batch, self.profile.dtype, self._block_shape)
-                if got is not None:
-                    done = [(idx[j], got[a_[j] : b_[j]]) for j in range(n_whole)]
-                    first = n_whole
-                elif n_whole > 1:
-                    out = self._out_buffers.take(b_[n_whole - 1])
-                    self._store_read(batch, out)
-                    done = [(idx[j], out[a_[j] : b_[j]]) for j in range(n_whole)]
-                    first = n_whole
-                if first:
-                    self._count_read(len(batch))
-            except BlockStoreError:
-                pass  # (rare) find out which requests failed: read them one by one below
-        if first < len(idx):
-            out = self._out_buffers.take(b_[-1] - a_[first])
-            base = a_[first]
-        for j in range(first, len(idx)):
-            s = sl[j]
-            head = out[a_[j] - base : b_[j] - base]
-            stored_end = min(c[j], min(len(keys[s]), int(self._table.capture[s]) // bs) * bs)
-            n_read = -(-stored_end // bs) - e[j] // bs if e[j] < stored_end else 0  # (as _read_into reads)
-            try:
-                self._read_into(s, e[j], c[j], head)
-            except BlockStoreError as exc:
-                errors[req_ids[idx[j]]] = f"{type(exc).__name__}: {exc}"
-                missing = getattr(exc, "keys", None)
-                self._count_read(n_read, exc)
-                self._lost.extend(missing if missing else keys[s][: c[j] // bs])
-                # nothing delivered; the engine restarts this incarnation, whose steps still in
-                # flight must neither emit nor report the failure again
-                self._table.emit[s] = NO_EMIT
-                continue
-            self._count_read(n_read)
-            done.append((idx[j], head))
-        return done
-
-    def _count_read(self, n: int, exc: BaseException | None = None) -> None:
-        """Count ``n`` objects read back (``auxout.metrics``): found, missing (``exc`` names the
-        missing keys) or failed (the store could not be read)."""
-        if n <= 0:
-            return
-        COUNTS.add("store_reads", n, self._backend)
-        if exc is None:
-            COUNTS.add("store_hits", n, self._backend)
-        elif isinstance(exc, ObjectMissingError):
-            missing = len(getattr(exc, "keys", None) or ()) or n
-            COUNTS.add("store_misses", min(missing, n), self._backend)
-            COUNTS.add("store_hits", n - min(missing, n), self._backend)
-        else:
-            COUNTS.add("store_errors", 1, self._backend, "read")
-
     def _commit_decode(self, p: PendingStep) -> StepOutput | None:
         """``_commit`` for the common decode step, in a third of the numpy calls; None if not one.
 
@@ -881,22 +728,23 @@ class WorkerConnector:
         extends (or opens) its request's staged tail block, and a tail that fills up is
         published or staged.
         """
+        table = self._table
         bs = self.block_size
         slots, rows, ts = p.slots, p.rows, p.token_starts
         n = len(slots)
         if bs == 1 or n == 0:
             return None
         ts_bytes = ts.tobytes()  # (int64 both sides: equal bytes are equal cursors; cheaper than a compare)
-        if self._table.capture[slots].tobytes() != ts_bytes:  # first capture, or re-attaching a draft gap
+        if table.capture[slots].tobytes() != ts_bytes:  # first capture, or re-attaching a draft gap
             return None
-        emit = self._table.emit[slots]
+        emit = table.emit[slots]
         all_emit = emit.tobytes() == ts_bytes  # (the usual step: then none is behind)
         if not all_emit and np.count_nonzero(emit < ts):  # rows before this step must come from the store
             return None
         q0 = int(p.query_start_loc[0])
         end = ts + 1
         pos = ts % bs
-        tail = self._table.tail[slots]  # (a gathered copy)
+        tail = table.tail[slots]  # (a gathered copy)
         opening = pos == 0
         n_open = int(np.count_nonzero(opening))
         if n_open:
@@ -905,19 +753,19 @@ class WorkerConnector:
             raise InvariantError("open tail block lost its staging slot")
         self.pool.blocks[tail, pos] = rows[q0 : q0 + n]  # (two index arrays: no flat index to compute)
         fills = pos == bs - 1
-        self._table.capture[slots] = end
-        self._table.sched[slots] = end
+        table.capture[slots] = end
+        table.sched[slots] = end
         if np.count_nonzero(fills):
             done = np.flatnonzero(fills)
             self._publish_filled(slots[done], tail[done].tolist(), (ts[done] // bs).tolist())
             tail[done] = -1
-        self._table.tail[slots] = tail
+        table.tail[slots] = tail
 
         qs = p.query_start_loc[:n]
         if all_emit:  # every request emits its one row (emit <= end)
             lo = qs
             hi = p.query_start_loc[1 : n + 1]  # (one row each: qs + 1; the pending step is dropped after)
-            self._table.emit[slots] = end
+            table.emit[slots] = end
             if slots is self._lane_candidate:  # the second such step of this batch: enter the lane
                 self._lane = DecodeLane(self._table, self.pool, bs, slots, end, p.query_start_loc)
             self._lane_candidate = slots
@@ -925,8 +773,8 @@ class WorkerConnector:
             do_emit = emit <= end
             lo = np.where(do_emit, qs + (emit - ts), -1)
             hi = np.where(do_emit, qs + 1, -1)
-            self._table.emit[slots[do_emit]] = end[do_emit]
-        published, lost = self._route_events()
+            table.emit[slots[do_emit]] = end[do_emit]
+        published, lost = self._writer.events()
         return StepOutput(p.req_ids, emit, lo, hi, rows, {}, published, lost)  # (req_ids: our copy)
 
     # -- the decode lane: a repeated decode batch ------------------------------------------------
@@ -947,12 +795,11 @@ class WorkerConnector:
             filled = lane.take_filled(due)
             self._publish_filled(filled.slots, filled.pool_blocks, filled.block_index)
             lane.reopen(filled)
-            published, lost = self._route_events()  # (drained after the publication: its evictions included)
+            published, lost = self._writer.events()  # (drained after the publication: its evictions included)
         elif not lane.steps % _LANE_DRAIN_EVERY:
-            published, lost = self._route_events()
+            published, lost = self._writer.events()
         else:  # (the store's report of lost keys, a chain of calls that run cold, waits a few steps)
-            published, self._published = self._published, []
-            lost, self._lost = self._lost, []
+            published, lost = self._writer.events_undrained()
         # (one_row: the starts as a list when lo == arange(n), see StepOutput)
         return StepOutput(req_ids, ts, lane.lo, lane.hi, rows, {}, published, lost, one_row_starts=one_row)
 
@@ -1058,7 +905,7 @@ class WorkerConnector:
         pool_keys: list[str] = []
         pool_pub: list[int] = []
         self._key_or_stage(full.tolist(), block_index, blocks, pool_keys, pool_pub)
-        self._publish(None, pool_keys, pool_pub, retain, release)
+        self._writer.publish(None, pool_keys, pool_pub, retain, release)
 
     def _key_or_stage(
         self, slots: list[int], block_index: list[int], blocks: list[int], pool_keys: list[str], pool_pub: list[int]
@@ -1088,41 +935,22 @@ class WorkerConnector:
         would let live requests hold more objects than the KV cache has blocks). One pass of
         numpy calls for the whole step; a Python loop only over the slots whose pins changed.
         """
-        nkeys = self._table.nkeys[slots]
+        table = self._table
+        nkeys = table.nkeys[slots]
         # no capture yet (-1, so cap // bs == -1): the mask turns -1 into a limit above any key count
-        target = np.minimum(nkeys, (self._table.capture[slots] // self.block_size) & _NO_LIMIT)
-        have = self._table.pinned[slots]
+        target = np.minimum(nkeys, (table.capture[slots] // self.block_size) & _NO_LIMIT)
+        have = table.pinned[slots]
         changed = np.flatnonzero(target != have)  # integer indices: cheaper to gather than a mask
         if not len(changed):
             return
         target, moved = target[changed], slots[changed]
         for s, t, h in zip(moved.tolist(), target.tolist(), have[changed].tolist()):
-            keys = self._table.keys[s]
+            keys = table.keys[s]
             if t > h:
                 retain.extend(keys[h:t])
             else:
                 release.extend(reversed(keys[t:h]))
-        self._table.pinned[moved] = target
-
-    def _publish(
-        self,
-        objects: BlockObjects | None,
-        pool_keys: list[str],
-        pool_pub: list[int],
-        retain: list[str],
-        release: list[str],
-    ) -> None:
-        """One store batch: ``objects`` plus completed pool blocks (copied out, then freed)."""
-        if pool_pub:
-            pooled = self._objects_from_pool(pool_keys, pool_pub)
-            if objects:
-                objects.extend(pooled)
-            else:
-                objects = pooled
-        if objects or retain or release:
-            self._put(objects or (), retain, release)
-        if pool_pub:
-            self.pool.free(pool_pub)
+        table.pinned[moved] = target
 
     def _check_rows(self, p: PendingStep, n_exec: np.ndarray, rejected: np.ndarray) -> None:
         # np.count_nonzero, not .any(): a quarter of the cost on a step-sized array (numbers: docs/performance.md)
@@ -1140,44 +968,15 @@ class WorkerConnector:
                 f"which executed {int(n_exec[i])} tokens"
             )
 
-    def _read_into(self, s: int, t0: int, t1: int, out: np.ndarray) -> None:
-        """Copy rows ``[t0, t1)`` of slot ``s`` (captured in earlier steps) into ``out``.
-
-        Complete keyed blocks come from the store, the rest from the staging pool.
-        """
-        bs = self.block_size
-        keys = self._table.keys[s]
-        stored_end = min(t1, min(len(keys), int(self._table.capture[s]) // bs) * bs)
-        pos = t0
-        if t0 < stored_end:
-            b0, b1 = t0 // bs, -(-stored_end // bs)
-            if t0 % bs == 0 and stored_end % bs == 0:  # aligned: the store writes into `out` directly
-                self._store_read(keys[b0:b1], out[: stored_end - t0])
-            else:
-                tmp = self.profile.empty((b1 - b0) * bs)
-                self._store_read(keys[b0:b1], tmp)
-                out[: stored_end - t0] = tmp[t0 - b0 * bs : stored_end - b0 * bs]
-            pos = stored_end
-        tail_blk = int(self._table.capture[s]) // bs if self._table.tail[s] >= 0 else -1
-        while pos < t1:
-            b = pos // bs
-            slot = self._table.staged[s].get(b, -1)
-            if slot < 0 and b == tail_blk:
-                slot = int(self._table.tail[s])
-            if slot < 0:
-                raise InvariantError(f"rows [{pos}, {t1}) of request {self._table.rid[s]!r} are neither stored nor staged")
-            hi = min(t1, (b + 1) * bs)
-            out[pos - t0 : hi - t0] = self.pool.blocks[slot, pos - b * bs : hi - b * bs]
-            pos = hi
-
-    def _store_read(self, keys: list[str], out: np.ndarray) -> None:
-        """Fill ``out`` (C-contiguous rows) with the payloads of ``keys``, checking the length."""
-        read_into(self.store, keys, memoryview(out.reshape(-1).view(np.uint8).data))  # type: ignore[arg-type]
-
     # -- lifecycle ----------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
             raise InvariantError("worker connector is closed")
+
+    @property
+    def dropped_batches(self) -> int:
+        """Publications the store rejected for capacity (their keys then read as missing)."""
+        return self._writer.dropped_batches
 
     @property
     def num_inflight(self) -> int:

@@ -874,10 +874,10 @@ def test_rejected_metadata_creates_no_state_for_other_requests() -> None:
 
 
 def test_output_buffers_are_reused_only_without_live_views() -> None:
-    from auxout.connector.worker import _BufferRecycler
+    from auxout.connector.store_io import BufferRecycler
 
     prof = RouteProfile(3, 2, 40)  # a shape no other test uses: its pool starts empty here
-    a_pool, b_pool = _BufferRecycler(prof), _BufferRecycler(prof)
+    a_pool, b_pool = BufferRecycler(prof), BufferRecycler(prof)
     held = a_pool.take(1500)
     capacity = len(held.base) if held.base is not None else 0  # (no `.base` inside asserts: pytest keeps those)
     assert capacity == 2048, "sizes round up to a power of two"
