@@ -11,12 +11,14 @@ also fills ``CompletionOutput.routing_weights`` (float32, same shape: the top-k 
 The only package that imports vLLM, grouped by the process each part runs in: ``engine_core``
 (the scheduler), ``workers`` (worker classes, router capture, layer topology), ``caller`` (request
 checks, completion outputs), ``server`` (``auxout serve``); beside them the options
-(``options``, ``config``) and the in-place weight sync (``weight_sync``). What auxout replaces or
+(``options``, ``config``), the names of every request and output field (``fields``) and the
+in-place weight sync (``weight_sync``). What auxout replaces or
 wraps in vLLM is listed in docs/architecture.md.
 """
 
 from auxout.vllm.config import engine_kwargs
-from auxout.vllm.options import REQUEST_FLAG, VllmOptions
+from auxout.vllm.fields import REQUEST_FLAG
+from auxout.vllm.options import VllmOptions
 from auxout.vllm.weight_sync import (
     WeightSync,
     WeightSyncError,

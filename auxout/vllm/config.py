@@ -32,8 +32,6 @@ def engine_kwargs(**options: Any) -> dict[str, Any]:
     ``options`` are :class:`VllmOptions` fields (``store``, ``max_bytes``, ``default_return``,
     ``namespace``, ``store_options``, ``output``, ``routing_weights``); they travel in
     ``additional_config["auxout"]``, which vLLM pickles into its engine-core and worker processes.
-    Also installs, in this process, the split of returned rows into ids and routing weights, and
-    each completion's own manifest (``completion_fields``: with ``n > 1`` each has its own).
 
     A store URL's user and password (``store_options={"url": "redis://:secret@host:port/0"}``)
     are not put in ``additional_config``, which vLLM logs at startup and pickles to its processes:
@@ -43,18 +41,23 @@ def engine_kwargs(**options: Any) -> dict[str, Any]:
 
     Prefix caching is not set here (vLLM turns it on by default for every model that supports it),
     so ``LLM(path, enable_prefix_caching=True, **engine_kwargs())`` works; the worker refuses to
-    start, saying why, if it ends up off. Also installs auxout's request checks in this process
-    (where vLLM builds requests), so bad inputs fail with a clear error before the engine.
+    start, saying why, if it ends up off.
+
+    Side effect, once per process: this is where vLLM builds requests and their outputs, so four
+    methods of vLLM's classes are replaced here by wrappers that call them: ``InputProcessor``'s
+    ``_validate_params`` and ``_validate_model_input`` (auxout's request checks: a bad input
+    fails alone with a clear error, before the engine; ``caller.request_checks``) and
+    ``RequestState``'s ``make_request_output`` and ``_new_completion_output`` (each completion's
+    routing weights and its own manifest and facts; ``caller.completion_fields``). Every
+    replacement auxout makes is listed in docs/architecture.md.
     """
     from auxout.vllm.caller.completion_fields import install_completion_fields
     from auxout.vllm.caller.request_checks import install_request_validation
-    from auxout.vllm.caller.weights_output import install_weights_split
 
     opts, secret_url = VllmOptions.from_dict(options).without_credentials()
     if secret_url is not None:
         export_store_url(secret_url)
     install_request_validation()
-    install_weights_split()
     install_completion_fields()
     return {
         "scheduler_cls": SCHEDULER_CLS,

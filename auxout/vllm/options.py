@@ -1,18 +1,15 @@
-"""auxout's vLLM options, and how they reach the engine-core and worker processes.
+"""auxout's vLLM options (engine-wide), and how they reach the engine-core and worker processes.
 
 vLLM spawns EngineCore and worker processes and pickles ``VllmConfig`` to them, so options ride
 in ``additional_config["auxout"]`` (a free-form dict vLLM keeps on the config). The
 ``AUXOUT_VLLM_OPTIONS`` environment variable (JSON) is the fallback for servers started by
-other tools.
+other tools. Per-request fields are named in :mod:`auxout.vllm.fields`.
 """
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
-import re
-from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -22,27 +19,6 @@ CONFIG_KEY = "auxout"
 ENV_VAR = "AUXOUT_VLLM_OPTIONS"
 LIFE_KEY = "auxout_life"
 """``additional_config`` key of the engine's lifetime token (``KeySpace.life``), set by ``engine_kwargs``."""
-REQUEST_FLAG = "return_routed_experts"
-"""``SamplingParams.extra_args`` key that opts one request in or out of returned routes."""
-OUTPUT_FLAG = "routed_experts_output"
-"""``SamplingParams.extra_args`` key choosing ``"inline"`` rows or a ``"keys"`` manifest per request."""
-MANIFEST_FIELD = "auxout_routes_manifest"
-"""Key of the route manifest inside ``RequestOutput.kv_transfer_params`` (keys-only output)."""
-RECOMPUTED_FIELD = "auxout_recomputed_tokens"
-"""Key in a finished request's ``kv_transfer_params``: prefix-hit tokens recomputed for lack of routes."""
-RESET_AT_FIELD = "auxout_routes_reset_at"
-"""Key in a finished request's ``kv_transfer_params``: per prefix-cache reset that hit the running
-request (an in-flight weight sync), the first position whose rows come from after it."""
-INLINE_REASON_FIELD = "auxout_routes_inline_reason"
-"""Key in ``kv_transfer_params`` when a keys-only request got its rows inline (manifest unpublishable)."""
-WEIGHTS_FLAG = "return_routing_weights"
-"""``SamplingParams.extra_args`` key (HTTP: top-level body field) asking for the routing weights too."""
-WEIGHTS_SPLIT = "auxout_weights_split"
-"""Internal ``extra_args`` key set by auxout's request validation: the process that made the request
-splits (id, weight) rows for the user. Without it (a frontend auxout did not hook) the engine
-sends the ids alone and warns, never raw byte rows."""
-WEIGHTS_OUTPUT = "routing_weights"
-"""``CompletionOutput`` attribute (HTTP: ``choices[i]`` field) holding them: float32, shaped like the ids."""
 SHARED_STORES = ("redis", "mooncake")
 """Stores the scheduler process can reach too: keys-only output needs one."""
 
@@ -52,33 +28,6 @@ def shares_routes(opts: VllmOptions) -> bool:
     generation after a reset is keyed by a digest of the weights (``KeySpace.weights``), so every
     engine running those weights shares it."""
     return opts.store in SHARED_STORES or opts.store == "shm"
-
-
-def misspelt_route_field(name: str, known: Sequence[str], where: Mapping[str, str] | None = None) -> str | None:
-    """What to say about ``name``, a field named like auxout's that is none of ``known`` (a typo
-    vLLM would silently ignore); None when it is known or not named like a route field.
-    ``where``: for a field meant that belongs in another place, where it goes."""
-    squashed = name.lower().replace("_", "").replace("-", "")  # (camelCase and kebab-case too)
-    if name in known or ("routedexpert" not in squashed and "routingweight" not in squashed):
-        return None
-    snake = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower().replace("-", "_")  # routedExperts -> routed_experts
-    if snake == "routed_experts":
-        return (
-            "routed_experts is the output field: routes come back by default; opt a request out with "
-            f"{REQUEST_FLAG}=false (extra_args offline, vllm_xargs over HTTP)"
-        )
-    close = [snake] if snake in known else difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-    if not close:
-        return "auxout's fields are " + ", ".join(known)
-    place = (where or {}).get(close[0])
-    return f"did you mean {close[0]}?" + (f" ({place})" if place else "")
-
-
-def normalize_flag(value: object) -> object:
-    """The flag as a bool when it is one in disguise: HTTP ``vllm_xargs`` turn ``false`` into ``0``."""
-    if not isinstance(value, bool) and type(value) is int and value in (0, 1):
-        return bool(value)
-    return value
 
 
 @dataclass(frozen=True)

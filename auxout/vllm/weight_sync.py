@@ -36,7 +36,7 @@ from typing import Any
 
 from auxout.errors import AuxOutError
 
-logger = logging.getLogger("vllm.auxout")
+logger = logging.getLogger("vllm.auxout")  # under vLLM's logger: its handlers and format
 
 WORKER_METHOD = "auxout_update_weights"
 """Name of the auxout worker method :func:`update_weights` calls (``collective_rpc``)."""

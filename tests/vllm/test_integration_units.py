@@ -7,11 +7,11 @@ import json
 import numpy as np
 import pytest
 
+from auxout.vllm.fields import normalize_flag
 from auxout.vllm.options import (
     CONFIG_KEY,
     ENV_VAR,
     VllmOptions,
-    normalize_flag,
     options_from_vllm_config,
 )
 
@@ -194,7 +194,7 @@ def test_weights_rows_need_the_frontend_split(caplog):
 
     from auxout.profile import RouteProfile, rows_from_bytes
     from auxout.vllm.engine_core import scheduler as bridge
-    from auxout.vllm.options import WEIGHTS_FLAG, WEIGHTS_SPLIT
+    from auxout.vllm.fields import WEIGHTS_FLAG, WEIGHTS_SPLIT
 
     prof = RouteProfile(2, 4, 16, weights=True)
     rows = prof.empty(3)
@@ -244,7 +244,8 @@ def test_scheduler_opens_one_client_for_the_publisher_and_the_prefix_check() -> 
 
 def test_every_route_field_has_one_place_over_http():
     """A field in the other place is a problem naming it (never ignored); null means unset, anywhere."""
-    from auxout.vllm.server.body_checks import IN_XARGS, TOP_LEVEL, body_problem, drop_null_fields
+    from auxout.vllm.fields import IN_XARGS, TOP_LEVEL
+    from auxout.vllm.server.body_checks import body_problem, drop_null_fields
 
     assert not set(TOP_LEVEL) & set(IN_XARGS)
     good = {"prompt": [1, 2], "routed_experts_prompt_start": 1, "routed_experts_format": "packed",
@@ -298,8 +299,8 @@ def test_every_route_field_has_one_place_over_http():
 
 
 def test_apis_without_routes_name_the_route_field_they_would_ignore():
-    from auxout.vllm.options import OUTPUT_FLAG, REQUEST_FLAG, WEIGHTS_FLAG
-    from auxout.vllm.server.body_checks import TOP_LEVEL, no_routes_problem
+    from auxout.vllm.fields import OUTPUT_FLAG, REQUEST_FLAG, TOP_LEVEL, WEIGHTS_FLAG
+    from auxout.vllm.server.body_checks import no_routes_problem
 
     plain = {"input": "hi", "vllm_xargs": {REQUEST_FLAG: False}}  # an opt-out asks for nothing
     assert no_routes_problem("/v1/responses", plain) is None and no_routes_problem("/v1/responses", [1]) is None
@@ -315,7 +316,8 @@ def test_apis_without_routes_name_the_route_field_they_would_ignore():
 def test_token_in_token_out_api_checks_route_fields_where_it_reads_them():
     """``/inference/v1/generate`` reads the prompt start and flags inside ``sampling_params``: a
     wrong type there, or any route field where it would be ignored, is named (not coerced)."""
-    from auxout.vllm.server.body_checks import IN_XARGS, TOP_LEVEL, tokens_api_problem
+    from auxout.vllm.fields import IN_XARGS, TOP_LEVEL
+    from auxout.vllm.server.body_checks import tokens_api_problem
 
     def problem(body: dict) -> tuple[str, str]:
         got = tokens_api_problem({"token_ids": [1, 2], **body})
@@ -571,7 +573,7 @@ def test_unreadable_weight_rows_fail_their_own_completion_not_vllms_output_loop(
     rows it cannot read fail that completion (``finish_reason="error"``, the reason in ``stop_reason``)."""
     from vllm.outputs import CompletionOutput
 
-    from auxout.vllm.caller.weights_output import split_output
+    from auxout.vllm.caller.completion_fields import split_output
 
     def completion(rows: np.ndarray, finish: str | None) -> CompletionOutput:
         return CompletionOutput(0, "", [5, 6], None, None, finish_reason=finish, routed_experts=rows)

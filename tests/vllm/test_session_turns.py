@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from auxout.testing.servers import free_port, redis_server
+from auxout.vllm.fields import INTERNAL_KEY
 from auxout.vllm.options import VllmOptions
-from auxout.vllm.server.body_checks import INTERNAL_KEY
 from auxout.vllm.server.redis_sessions import RedisSessionStore
 from auxout.vllm.server.responses import RouteResponder
 from auxout.vllm.server.sessions import SessionStore

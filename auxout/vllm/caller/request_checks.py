@@ -29,25 +29,22 @@ from typing import Any
 
 import numpy as np
 
-from auxout.vllm.options import (
+from auxout.vllm.fields import (
+    EXTRA_ARGS,
+    HTTP_ONLY,
     OUTPUT_FLAG,
+    PROMPT_START,
     REQUEST_FLAG,
-    SHARED_STORES,
     WEIGHTS_FLAG,
     WEIGHTS_SPLIT,
-    VllmOptions,
     misspelt_route_field,
     normalize_flag,
-    options_from_vllm_config,
 )
-from auxout.vllm.server.body_checks import FORMAT_FIELD, SESSION_FIELD
+from auxout.vllm.options import SHARED_STORES, VllmOptions, options_from_vllm_config
 
-PROMPT_START = "routed_experts_prompt_start"
-_EXTRA_ARGS = (REQUEST_FLAG, OUTPUT_FLAG, WEIGHTS_FLAG)  # auxout's extra_args keys
-_HTTP_ONLY = (FORMAT_FIELD, SESSION_FIELD)  # top-level HTTP body fields, no extra_args
 _ELSEWHERE = {  # where a field meant by a misspelt extra_args key goes, if not in extra_args
     PROMPT_START: f"not an extra_args key: SamplingParams({PROMPT_START}=N) offline, a top-level field over HTTP",
-    **{f: "a top-level field of auxout serve's HTTP API; offline, routes come back as arrays" for f in _HTTP_ONLY},
+    **{f: "a top-level field of auxout serve's HTTP API; offline, routes come back as arrays" for f in HTTP_ONLY},
 }
 _INSTALLED = False
 _FLAG_AS_INT = False  # True behind the HTTP server: vLLM turned the JSON bool into 0/1 after our raw check
@@ -119,12 +116,12 @@ def check_request_flag(
                 value,
             )
     for name in extra:
-        if not isinstance(name, str) or name in _EXTRA_ARGS:
+        if not isinstance(name, str) or name in EXTRA_ARGS:
             continue
-        if name in _HTTP_ONLY:
+        if name in HTTP_ONLY:
             hint: str | None = f"{name} is a field of auxout serve's HTTP API; offline, routes come back as arrays"
         else:  # (the field meant may be one that lives elsewhere: say where)
-            hint = misspelt_route_field(name, (*_EXTRA_ARGS, PROMPT_START, *_HTTP_ONLY), _ELSEWHERE)
+            hint = misspelt_route_field(name, (*EXTRA_ARGS, PROMPT_START, *HTTP_ONLY), _ELSEWHERE)
         if hint is not None:
             raise _error(f"unknown routes field {name} in extra_args / vllm_xargs: {hint}", name, extra[name])
     start = getattr(params, PROMPT_START, 0)
@@ -256,7 +253,7 @@ def install_request_validation(*, flag_as_int: bool = False) -> None:
                 # an engine off by default: a route field is the request's ask, as over HTTP
                 extra = params.extra_args = {**(extra or {}), REQUEST_FLAG: True}
             if extra and normalize_flag(extra.get(WEIGHTS_FLAG)) is True:
-                extra[WEIGHTS_SPLIT] = True  # this process splits the (id, weight) rows: weights_output
+                extra[WEIGHTS_SPLIT] = True  # this process splits the (id, weight) rows: completion_fields
         return validate_params(self, params, *args, **kwargs)
 
     def _validate_model_input(self: Any, prompt_input: Any, *args: Any, **kwargs: Any) -> Any:

@@ -38,21 +38,18 @@ from auxout.profile import WEIGHT_DTYPE, has_weights, id_dtype_for, rows_as_byte
 from auxout.stores import BlockStore, make_store
 from auxout.stores.rows import StoreRows
 from auxout.vllm.config import route_keyspace
-from auxout.vllm.options import (
+from auxout.vllm.fields import (
     INLINE_REASON_FIELD,
     MANIFEST_FIELD,
     OUTPUT_FLAG,
     RECOMPUTED_FIELD,
     REQUEST_FLAG,
     RESET_AT_FIELD,
-    SHARED_STORES,
     WEIGHTS_FLAG,
     WEIGHTS_SPLIT,
-    VllmOptions,
     normalize_flag,
-    options_from_vllm_config,
-    shares_routes,
 )
+from auxout.vllm.options import SHARED_STORES, VllmOptions, options_from_vllm_config, shares_routes
 
 logger = logging.getLogger("vllm.auxout")  # under vLLM's logger: its handlers and format
 
@@ -85,7 +82,7 @@ def is_pd_prefill_leg(request: Any) -> bool:
 def engine_rows(rows: np.ndarray, request: Any) -> np.ndarray:
     """What goes into ``EngineCoreOutput.routed_experts``: the ids, or with routing weights
     captured and asked for, the (id, weight) rows as ``uint8 [n, L, K, item bytes]`` (vLLM's
-    messages carry no structured arrays; the frontend splits them: ``weights_output``)."""
+    messages carry no structured arrays; the frontend splits them: ``caller.completion_fields``)."""
     if not has_weights(rows):
         return rows
     params = request.sampling_params

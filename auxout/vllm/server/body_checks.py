@@ -25,24 +25,25 @@ import sys
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from auxout.vllm.options import OUTPUT_FLAG, REQUEST_FLAG, WEIGHTS_FLAG, misspelt_route_field
+from auxout.vllm.fields import (
+    FORMAT_FIELD,
+    IN_XARGS,
+    INTERNAL_KEY,
+    OUTPUT_FLAG,
+    PROMPT_START,
+    REQUEST_FLAG,
+    SESSION_FIELD,
+    TOP_LEVEL,
+    WEIGHTS_FLAG,
+    misspelt_route_field,
+)
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-PROMPT_START = "routed_experts_prompt_start"
-FORMAT_FIELD = "routed_experts_format"
-SESSION_FIELD = "routed_experts_session"
-TOP_LEVEL = (PROMPT_START, FORMAT_FIELD, SESSION_FIELD, WEIGHTS_FLAG)
-"""auxout's fields that go at the top of an HTTP request body."""
-IN_XARGS = (REQUEST_FLAG, OUTPUT_FLAG)
-"""auxout's fields that go in ``vllm_xargs`` (vLLM's per-request ``extra_args``)."""
 _KNOWN = (*TOP_LEVEL, *IN_XARGS)
-INTERNAL_KEY = "auxout_http"
-"""The ``extra_args`` entry through which the server hands a request's route fields to its own
-response code: never accepted from a client."""
 _CHECKED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/chat/completions/batch", "/invocations")
 """APIs whose bodies carry auxout's fields as documented (``/invocations``: SageMaker's entry,
 which hands the body to the completions or chat API)."""

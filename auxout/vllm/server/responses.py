@@ -36,50 +36,33 @@ import numpy as np
 
 from auxout.metrics import COUNTS
 from auxout.profile import has_weights, join_rows, split_rows
-from auxout.vllm.caller.completion_fields import completion_field
-from auxout.vllm.caller.weights_output import structured
-from auxout.vllm.options import (
-    INLINE_REASON_FIELD,
+from auxout.vllm.caller.completion_fields import completion_field, structured
+from auxout.vllm.fields import (
+    CHOICE_FACTS,
+    FORMAT_FIELD,
+    INLINE_REASON_HTTP,
+    INTERNAL_KEY,
     MANIFEST_FIELD,
+    MANIFEST_HTTP,
     OUTPUT_FLAG,
-    RECOMPUTED_FIELD,
+    PROMPT_START,
     REQUEST_FLAG,
-    RESET_AT_FIELD,
-    SHARED_STORES,
+    ROUTES,
+    SESSION_FIELD,
+    START_FIELD,
+    TOP_LEVEL,
     WEIGHTS_FLAG,
     WEIGHTS_OUTPUT,
-    VllmOptions,
+    WEIGHTS_START_FIELD,
     normalize_flag,
 )
-from auxout.vllm.server.body_checks import (
-    FORMAT_FIELD,
-    INTERNAL_KEY,
-    PROMPT_START,
-    SESSION_FIELD,
-    TOP_LEVEL,
-)
+from auxout.vllm.options import SHARED_STORES, VllmOptions
 from auxout.vllm.server.redis_sessions import SessionStoreError
-from auxout.vllm.server.sessions import ROUTES, RouteSessions, SessionBusyError, SessionStore
+from auxout.vllm.server.sessions import RouteSessions, SessionBusyError, SessionStore
 from auxout.wire import DEFAULT_FORMAT, FORMATS, encode
 
-logger = logging.getLogger("auxout.vllm")
+logger = logging.getLogger("vllm.auxout")  # under vLLM's logger: its handlers and format
 
-WEIGHTS_FIELD = WEIGHTS_FLAG
-START_FIELD = "routed_experts_start"
-WEIGHTS_START_FIELD = "routing_weights_start"
-INLINE_REASON_OUT_FIELD = "routed_experts_inline_reason"
-MANIFEST_OUT_FIELD = "routed_experts_manifest"
-RESET_AT_OUT_FIELD = "routed_experts_reset_at"
-RECOMPUTED_OUT_FIELD = "routed_experts_recomputed_tokens"
-CHOICE_FIELDS = (
-    (INLINE_REASON_FIELD, INLINE_REASON_OUT_FIELD),  # keys-only asked, rows inline: why
-    (RESET_AT_FIELD, RESET_AT_OUT_FIELD),  # where each weight sync mid-request begins the new weights' rows
-    (RECOMPUTED_FIELD, RECOMPUTED_OUT_FIELD),  # prefix-hit tokens recomputed for lack of routes
-)
-"""Per-choice facts the engine reports at finish, and the field each takes on the HTTP choice
-(streamed: on its last chunk); per choice, so also with ``n > 1``."""
-_PARAMS_KEY = INTERNAL_KEY
-"""``SamplingParams.extra_args`` key carrying the checked HTTP fields from the request to ``generate``."""
 MAX_SESSION_ID_CHARS = 256
 OFFLOAD_SLOTS = 1 << 17
 """Route slots (ids, with their weights) from which a response's routes are encoded on a worker
@@ -104,18 +87,18 @@ def check_route_fields(extra: dict[str, Any], *, n: int, prompt_start: int, use_
             raise _FieldError(SESSION_FIELD, f"{SESSION_FIELD} needs one prompt, n=1 and no beam search "
                               "(one history per session)")
         if prompt_start:
-            raise _FieldError(SESSION_FIELD, f"{SESSION_FIELD} and routed_experts_prompt_start are exclusive: "
+            raise _FieldError(SESSION_FIELD, f"{SESSION_FIELD} and {PROMPT_START} are exclusive: "
                               "the session decides where routes start")
         if (output_flag if output_flag is not None else options.output) == "keys":
             raise _FieldError(SESSION_FIELD, f"{SESSION_FIELD} sends the rows a client lacks, inline, and keys-only "
                               "output sends a manifest of the whole history instead: ask for inline rows "
                               f'("vllm_xargs": {{"{OUTPUT_FLAG}": "inline"}}) or leave {SESSION_FIELD} out')
         fields["session"] = session
-    weights = extra.get(WEIGHTS_FIELD, False)
+    weights = extra.get(WEIGHTS_FLAG, False)
     if not isinstance(weights, bool):
-        raise _FieldError(WEIGHTS_FIELD, f"{WEIGHTS_FIELD} must be a boolean, got {weights!r}")
+        raise _FieldError(WEIGHTS_FLAG, f"{WEIGHTS_FLAG} must be a boolean, got {weights!r}")
     if weights and not options.routing_weights:
-        raise _FieldError(WEIGHTS_FIELD, f"{WEIGHTS_FIELD}=true needs a server that captures routing weights: "
+        raise _FieldError(WEIGHTS_FLAG, f"{WEIGHTS_FLAG}=true needs a server that captures routing weights: "
                           "start it with --auxout-routing-weights true")
     if weights:
         fields["weights"] = True
@@ -144,7 +127,7 @@ class ChoiceRows:
         self.consumed = 0
         self.final: np.ndarray | None = None
         self.manifest: Any = None
-        self.facts: dict[str, Any] = {}  # CHOICE_FIELDS of the finished choice (its last chunk carries them)
+        self.facts: dict[str, Any] = {}  # CHOICE_FACTS of the finished choice (its last chunk carries them)
         self.weighted = False  # chunks carry (id, weight) rows
 
     def observe(self, output: Any, prompt_len: int | None) -> None:
@@ -206,7 +189,7 @@ class RouteResponder:
             fields = check_route_fields(
                 extra_fields,
                 n=int(getattr(params, "n", 1) or 1),
-                prompt_start=int(getattr(params, "routed_experts_prompt_start", 0) or 0),
+                prompt_start=int(getattr(params, PROMPT_START, 0) or 0),
                 use_beam_search=bool(getattr(request, "use_beam_search", False)),
                 options=self.options,
                 output_flag=extra_args.get(OUTPUT_FLAG),
@@ -214,7 +197,7 @@ class RouteResponder:
             )
         except _FieldError as exc:
             raise VLLMValidationError(str(exc), parameter=exc.field, value=extra_fields.get(exc.field)) from None
-        params.extra_args = {**extra_args, _PARAMS_KEY: fields}
+        params.extra_args = {**extra_args, INTERNAL_KEY: fields}
         off = not self.options.default_return
         if off and normalize_flag(extra_args.get(REQUEST_FLAG)) is None and self.wants_routes(request):
             params.extra_args[REQUEST_FLAG] = True  # (the route field is the request's opt-in)
@@ -253,7 +236,7 @@ class RouteResponder:
     # -- engine side --------------------------------------------------------------------------
     async def generate(self, engine: Any, original: Callable[..., AsyncIterator[Any]], prompt: Any,
                        sampling_params: Any, request_id: str, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
-        fields = (getattr(sampling_params, "extra_args", None) or {}).get(_PARAMS_KEY) or {}
+        fields = (getattr(sampling_params, "extra_args", None) or {}).get(INTERNAL_KEY) or {}
         session = fields.get("session")
         prompt_ids = _prompt_token_ids(prompt)
         arrays = (WEIGHTS_OUTPUT,) if fields.get("weights") else ()
@@ -264,7 +247,7 @@ class RouteResponder:
             ids_start = starts[ROUTES]
             # the engine returns rows from the earliest start any array needs; the ids skip the rest
             sampling_params.routed_experts_prompt_start = min(starts.values())
-        start = int(getattr(sampling_params, "routed_experts_prompt_start", 0) or 0)
+        start = int(getattr(sampling_params, PROMPT_START, 0) or 0)
         outputs = self._generate_turn(engine, original, prompt, sampling_params, request_id, args, kwargs,
                                       session, turn, prompt_ids, arrays, start, ids_start)  # fmt: skip
         try:
@@ -366,7 +349,7 @@ class RouteResponder:
             COUNTS.add("route_rows", len(sent), fmt)
             COUNTS.add("route_bytes", nbytes, fmt)
         if manifest is not None:
-            fields[MANIFEST_OUT_FIELD] = manifest
+            fields[MANIFEST_HTTP] = manifest
             fields.setdefault(START_FIELD, start)  # (every choice states where its routes start)
         return fields
 
@@ -542,14 +525,14 @@ def count_completion(rows: bool, manifest: bool, facts: dict[str, Any]) -> None:
         COUNTS.add("routed_completions", 1, "keys")
     elif rows:
         COUNTS.add("routed_completions", 1, "inline")
-    if facts.get(INLINE_REASON_OUT_FIELD) is not None:
+    if facts.get(INLINE_REASON_HTTP) is not None:
         COUNTS.add("inline_fallbacks")
 
 
 def choice_facts(output: Any, res: Any) -> dict[str, Any]:
-    """The ``CHOICE_FIELDS`` one finished completion has, under their HTTP names."""
+    """The ``CHOICE_FACTS`` one finished completion has, under their HTTP names."""
     facts = {}
-    for key, out in CHOICE_FIELDS:
+    for key, out in CHOICE_FACTS:
         value = completion_field(output, res, key)
         if value is not None:
             facts[out] = value

@@ -44,7 +44,8 @@ from typing import Protocol
 
 import numpy as np
 
-ROUTES = "routed_experts"
+from auxout.vllm.fields import ROUTES
+
 """The array every session turn carries (the expert ids): the one whose start follows the history."""
 
 
