@@ -38,6 +38,7 @@ fuzz: install
 	HYPOTHESIS_PROFILE=fuzz AUXOUT_FUZZ_EXAMPLES=$${AUXOUT_FUZZ_EXAMPLES:-10000} \
 		$(PY) -m pytest -q -p no:cacheprovider tests/core/test_sim_properties.py
 
+# the benchmarks with a target (docs/performance.md), each against a baseline measured in the same run
 bench: install
 	$(PY) benchmarks/dataplane.py
 	$(PY) benchmarks/stores.py

@@ -1,4 +1,4 @@
-"""Bytes on the wire and client decode time per turn of a 6-turn agent conversation, per mode and format.
+"""Bytes on the wire and client decode time per turn of a 6-turn conversation, per mode and format.
 
 The conversation: each turn adds 64 tokens of new text to the prompt and generates 256. Modes:
 ``full`` (every response carries the whole history's routes), ``prompt_start`` (the client
