@@ -19,6 +19,7 @@ import dataplane  # noqa: E402
 from engine_hooks import TIMES, timed  # noqa: E402
 
 from auxout.connector.scheduler import SchedulerConnector  # noqa: E402
+from auxout.connector.slot_table import SlotTable  # noqa: E402
 from auxout.connector.store_io import StoreWriter  # noqa: E402
 from auxout.connector.worker import WorkerConnector  # noqa: E402
 from auxout.keys import ChainKeys, KeySpace  # noqa: E402
@@ -26,8 +27,9 @@ from auxout.stores.arena import ArenaStore  # noqa: E402
 from auxout.stores.background import BackgroundStore  # noqa: E402
 
 TIMED: tuple[tuple[type, tuple[str, ...]], ...] = (
-    (WorkerConnector, ("begin_step", "prepare_output", "process_output", "_commit", "_sync_pins", "_teardown",
-                       "_remember_chain")),
+    (WorkerConnector, ("begin_step", "prepare_output", "process_output", "_commit", "_teardown", "_remember_chain",
+                       "commit_lane_step")),
+    (SlotTable, ("sync_pins",)),
     (StoreWriter, ("put", "publish", "events")),
     (SchedulerConnector, ("build_metadata", "take_output_parts", "take_step", "request_finished", "add_request")),
     (ChainKeys, ("keys_batch",)),

@@ -9,6 +9,9 @@ Other indices into other tables are named for what they index: a *pool block* is
 the ``StagingPool`` (``tail`` and ``staged`` hold pool blocks), a *block index* counts hash
 blocks along a request's token positions (``keys[s][b]`` is block ``b``'s key).
 
+Each request holds a store reference ("pin") on the leading keys it may still read
+(``sync_pins``); freeing its slot returns them for release.
+
 Reads of the cursors (and of ``tail``, the only way to find a request's rows in the staging
 pool) first run the flush a decode lane registered while it holds writes back
 (``defer_writes``): a caller cannot see cursors or staged rows that are behind.
@@ -16,20 +19,23 @@ pool) first run the flush a decode lane registered while it holds writes back
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from auxout.keys import PackedHashes
 
 _I64 = np.int64
+_NO_LIMIT = (1 << 62) - 1
 
 
 class SlotTable:
-    """Request slots: cursors, staging and keys of every tracked request incarnation."""
+    """Request slots: cursors, staging, keys and pins of every tracked request incarnation."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, block_size: int) -> None:
+        self.block_size = block_size
         self.slot_of: dict[str, int] = {}  # live request id -> its request slot
+        self.pin_floor: dict[int, int] = {}  # finished request slot -> leading pins handed to a next turn
         # bumped whenever a request slot is taken or freed: a batch's slots looked up under one
         # epoch stay valid while it does not change (a decode step repeats its batch)
         self.epoch = 0
@@ -54,7 +60,7 @@ class SlotTable:
 
     def _grow(self) -> None:
         old = len(self._tail)
-        grown = SlotTable(2 * old)
+        grown = SlotTable(2 * old, self.block_size)
         grown._cursors[:old] = self._cursors
         grown._tail[:old], grown.nkeys[:old], grown.pinned[:old] = self._tail, self.nkeys, self.pinned
         grown.keys[:old], grown.hashes[:old] = self.keys, self.hashes
@@ -119,13 +125,27 @@ class SlotTable:
         self._clear(s)
         self.slot_of[rid] = s
         self.epoch += 1
+        if self.pin_floor:  # (only a begin_step that failed half-way leaves an entry behind)
+            self.pin_floor.pop(s, None)
         return s
 
-    def free(self, s: int) -> None:
-        """Give request slot ``s`` back (its keys and pool blocks released by the caller)."""
+    def free(self, slots: Sequence[int]) -> tuple[list[str], list[int]]:
+        """Give request slots back: returns the keys they pinned, in release order (each chain
+        tail-first), and the pool blocks they held."""
         assert self._flush is None, "a decode lane still holds writes: leave it before freeing request slots"
-        self._clear(s)
-        self._free.append(s)
+        keys, pinned, staged, tail = self.keys, self.pinned, self.staged, self._tail
+        release: list[str] = []
+        pool_blocks: list[int] = []
+        floor = self.pin_floor
+        self.epoch += 1
+        for s in slots:
+            release.extend(reversed(keys[s][floor.pop(s, 0) if floor else 0 : pinned[s]]))
+            pool_blocks.extend(staged[s].values())
+            if tail[s] >= 0:
+                pool_blocks.append(int(tail[s]))
+            self._clear(s)
+            self._free.append(s)
+        return release, pool_blocks
 
     def _clear(self, s: int) -> None:
         self._tail[s] = -1
@@ -134,3 +154,70 @@ class SlotTable:
         self.keys[s] = []
         self.hashes[s] = []
         self.staged[s] = {}
+
+    # -- keys and pins ---------------------------------------------------------------------------
+    def add_keys(self, slots: list[int], keys: list[list[str]]) -> np.ndarray:
+        """Append each request's new keys; returns ``slots`` as an array (for ``sync_pins``)."""
+        for s, new in zip(slots, keys):
+            self.keys[s].extend(new)
+        idx = np.array(slots, dtype=_I64)
+        self.nkeys[idx] = [len(self.keys[s]) for s in slots]
+        return idx
+
+    def sync_pins(self, slots: np.ndarray, retain: list[str], release: list[str]) -> None:
+        """Hold references on exactly the keys each request may still read (distinct slots, in order).
+
+        Before its first capture a request pins all its keys (a prefix hit will read them);
+        afterwards only complete blocks below its capture cursor: blocks it will compute itself
+        need no pin (the store may still hold them from an earlier request, and pinning those
+        would let live requests hold more objects than the KV cache has blocks). One pass of
+        numpy calls for the whole step; a Python loop only over the requests whose pins changed.
+        """
+        nkeys = self.nkeys[slots]
+        # no capture yet (-1, so cap // bs == -1): the mask turns -1 into a limit above any key count
+        target = np.minimum(nkeys, (self.capture[slots] // self.block_size) & _NO_LIMIT)
+        have = self.pinned[slots]
+        changed = np.flatnonzero(target != have)  # integer indices: cheaper to gather than a mask
+        if not len(changed):
+            return
+        target, moved = target[changed], slots[changed]
+        for s, t, h in zip(moved.tolist(), target.tolist(), have[changed].tolist()):
+            keys = self.keys[s]
+            if t > h:
+                retain.extend(keys[h:t])
+            else:
+                release.extend(reversed(keys[t:h]))
+        self.pinned[moved] = target
+
+    def inherit_pins(self, hashed: list[int], sources: list[tuple[list[str], int] | None], done: list[int]) -> None:
+        """A next turn admitted in the step its previous turn ends takes over that turn's pins
+        on their shared history instead of retaining what the other releases in the same batch:
+        +1 and -1 on a key that stays referenced change nothing the store can show, and a long
+        conversation's history is thousands of keys per turn. ``sources[i]``: the finished key
+        list request ``hashed[i]``'s keys came from, and how many; ``done``: the finished slots."""
+        keys, pinned = self.keys, self.pinned
+        donors = {id(keys[d]): d for d in done}
+        for s, src in zip(hashed, sources):
+            if src is None:
+                continue
+            d = donors.get(id(src[0]))
+            # (the heir is new: this pack is its first, nothing captured or pinned yet)
+            if d is None or len(self.hashes[s]) != 1 or self.capture[s] >= 0 or pinned[s]:
+                continue
+            del donors[id(src[0])]  # one heir per finished turn
+            m = min(src[1], int(pinned[d]))
+            pinned[s] = m
+            self.pin_floor[d] = m  # the finished turn releases only what it keeps
+
+    def take_keyed_staged(self, slots: Sequence[int]) -> tuple[list[str], list[int]]:
+        """Staged blocks of ``slots`` whose keys are known now: their keys and pool blocks (no
+        longer staged: the caller publishes and frees them)."""
+        keys: list[str] = []
+        pool_blocks: list[int] = []
+        for s in slots:
+            staged = self.staged[s]
+            nkeys = len(self.keys[s])
+            for b in [b for b in staged if b < nkeys]:
+                keys.append(self.keys[s][b])
+                pool_blocks.append(staged.pop(b))
+        return keys, pool_blocks

@@ -45,7 +45,6 @@ if TYPE_CHECKING:  # (auxout.connector.row_check loads numba: only the engines t
     from auxout.connector.row_check import RowCheck
 
 _I64 = np.int64
-_NO_LIMIT = (1 << 62) - 1
 
 
 @dataclass(slots=True)
@@ -138,11 +137,10 @@ class WorkerConnector:
                 max_concurrent_batches=max_concurrent_batches,
             ),
         )
-        self._table = SlotTable(max(8, 2 * max_num_seqs))  # per-request state, by request slot
+        self._table = SlotTable(max(8, 2 * max_num_seqs), block_size)  # per-request state, by request slot
         self._pending_steps: list[PendingStep] = []
         self._void_seqs: set[int] = set()  # in-flight steps voided by a generation change
         self._awaiting: set[int] = set()  # finished request slots whose teardown waits for in-flight outputs
-        self._pin_floor: dict[int, int] = {}  # finished request slot -> leading pins handed to a next turn
         self._step_ready = False
         self._seq = 0
         self._closed = False
@@ -161,30 +159,13 @@ class WorkerConnector:
         self.impossible_requests = 0  # request steps refused for impossible rows (a counter for metrics)
 
     # -- request slots -------------------------------------------------------------------------
-    def _new_slot(self, rid: str, emit_start: int) -> int:
-        s = self._table.new(rid, emit_start)
-        if self._pin_floor:  # (only a begin_step that failed half-way leaves an entry behind)
-            self._pin_floor.pop(s, None)
-        return s
-
     def _teardown(self, slots: Sequence[int]) -> list[str]:
         """Free request slots; returns their keys in release order (each chain tail-first)."""
         self._leave_lane()
-        table = self._table
-        keys, pinned, staged, tail = table.keys, table.pinned, table.staged, table.tail
-        release: list[str] = []
-        pool_free: list[int] = []
-        floor = self._pin_floor
-        table.epoch += 1
-        for s in slots:
-            release.extend(reversed(keys[s][floor.pop(s, 0) if floor else 0 : pinned[s]]))
-            pool_free.extend(staged[s].values())
-            if tail[s] >= 0:
-                pool_free.append(int(tail[s]))
-            table.free(s)
-            self._awaiting.discard(s)
-        if pool_free:
-            self.pool.free(pool_free)
+        release, pool_blocks = self._table.free(slots)
+        self._awaiting.difference_update(slots)
+        if pool_blocks:
+            self.pool.free(pool_blocks)
         return release
 
     def _name_generation(self, digest: Callable[[], str]) -> None:
@@ -237,7 +218,7 @@ class WorkerConnector:
                 packed = meta.block_hashes.get(rid)
             if packed is not None:
                 table.hashes[s].append(packed)
-                self._add_keys(s, self.keyspace.keys(packed, self.generation), retain, release)
+                table.sync_pins(table.add_keys([s], [self.keyspace.keys(packed, self.generation)]), retain, release)
             self._remember_chain(s)
             if table.staged[s]:
                 keyed.append(s)
@@ -279,7 +260,7 @@ class WorkerConnector:
             if not all_old:
                 assert old is not None
                 for i in np.flatnonzero(~old).tolist():
-                    self._new_slot(names[i], int(starts[i]))
+                    table.new(names[i], int(starts[i]))
             elif cache is None or known is not cache[2]:
                 self._begin_cache = (table.epoch, names, known)
         self._apply_hashes(meta, retain, release, keyed, done)
@@ -306,43 +287,21 @@ class WorkerConnector:
             table.hashes[s].append(pack)
         if hashed:
             sources: list[tuple[list[str], int] | None] | None = [] if done else None
-            for s, keys in zip(hashed, self._chains.keys_batch(packs, self.generation, sources)):
-                table.keys[s].extend(keys)
-                if table.staged[s]:
-                    keyed.append(s)
-            idx = np.array(hashed, dtype=_I64)
-            table.nkeys[idx] = [len(table.keys[s]) for s in hashed]
+            idx = table.add_keys(hashed, self._chains.keys_batch(packs, self.generation, sources))
+            keyed.extend(s for s in hashed if table.staged[s])
             if sources and sources.count(None) != len(sources):
-                self._inherit_pins(hashed, sources, done)
-            self._sync_pins(idx, retain, release)
-        objects, pool_slots = self._collect_staged(keyed) if keyed else ((), [])  # copied out: teardown may free them
+                table.inherit_pins(hashed, sources, done)
+            table.sync_pins(idx, retain, release)
+        objects: Sequence[StoreObject] = ()
+        keys, pool_blocks = table.take_keyed_staged(keyed) if keyed else ([], [])
+        if keys:  # (copied out now: the teardown may free their pool blocks)
+            objects = self._writer.objects_from_pool(keys, pool_blocks)
         if done:
             release.extend(self._teardown(done))
         if objects or retain or release:
             self._writer.put(objects, retain, release)
-        if pool_slots:
-            self.pool.free(pool_slots)
-
-    def _inherit_pins(
-        self, hashed: list[int], sources: list[tuple[list[str], int] | None], done: list[int]
-    ) -> None:
-        """A next turn admitted in the step its previous turn ends takes over that turn's pins
-        on their shared history instead of retaining what the other releases in the same batch:
-        +1 and -1 on a key that stays referenced change nothing the store can show, and a long
-        conversation's history is thousands of keys per turn."""
-        table = self._table
-        donors = {id(table.keys[d]): d for d in done}
-        for s, src in zip(hashed, sources):
-            if src is None:
-                continue
-            d = donors.get(id(src[0]))
-            # (the heir is new: this pack is its first, nothing captured or pinned yet)
-            if d is None or len(table.hashes[s]) != 1 or table.capture[s] >= 0 or table.pinned[s]:
-                continue
-            del donors[id(src[0])]  # one heir per finished turn
-            m = min(src[1], int(table.pinned[d]))
-            table.pinned[s] = m
-            self._pin_floor[d] = m  # the finished turn releases only what it keeps
+        if pool_blocks:
+            self.pool.free(pool_blocks)
 
     def _busy(self, s: int) -> bool:
         """Whether a prepared step whose output is not processed yet (and not voided) covers slot ``s``.
@@ -361,27 +320,6 @@ class WorkerConnector:
             self._chains.remember(chain[0].data, chain[0].item_size, table.keys[s], self.generation)
         elif chain and all(p.item_size == chain[0].item_size for p in chain):
             self._chains.remember(b"".join([p.data for p in chain]), chain[0].item_size, table.keys[s], self.generation)
-
-    def _add_keys(self, s: int, keys: list[str], retain: list[str], release: list[str]) -> None:
-        table = self._table
-        table.keys[s].extend(keys)
-        table.nkeys[s] = len(table.keys[s])
-        self._sync_pins(np.array([s], dtype=_I64), retain, release)
-
-    def _collect_staged(self, slots: Sequence[int]) -> tuple[Sequence[StoreObject], list[int]]:
-        """Objects for staged blocks that now have keys (one copy out of the pool)."""
-        table = self._table
-        keys: list[str] = []
-        pool_slots: list[int] = []
-        for s in slots:
-            staged = table.staged[s]
-            nkeys = len(table.keys[s])
-            for b in [b for b in staged if b < nkeys]:
-                keys.append(table.keys[s][b])
-                pool_slots.append(staged.pop(b))
-        if not keys:
-            return [], []
-        return self._writer.objects_from_pool(keys, pool_slots), pool_slots
 
     def prepare_output(
         self,
@@ -570,7 +508,9 @@ class WorkerConnector:
         table.tail[slots] = tail
 
         # -- publish complete keyed blocks (whole batch, before any read) ----------------------
-        retain, release = self._pins_after_capture(slots)
+        retain: list[str] = []
+        release: list[str] = []
+        table.sync_pins(slots, retain, release)  # (pins follow the capture cursors just moved)
         nbytes = self._block_nbytes
         objects = BlockObjects(nbytes=nbytes)
         pool_keys: list[str] = []
@@ -901,7 +841,7 @@ class WorkerConnector:
         the block is published if its key is known, else stays staged until its hash arrives."""
         retain: list[str] = []
         release: list[str] = []
-        self._sync_pins(full, retain, release)
+        self._table.sync_pins(full, retain, release)
         pool_keys: list[str] = []
         pool_pub: list[int] = []
         self._key_or_stage(full.tolist(), block_index, blocks, pool_keys, pool_pub)
@@ -919,39 +859,6 @@ class WorkerConnector:
                 pool_pub.append(block)
             else:
                 staged[s][b] = block
-    def _pins_after_capture(self, slots: np.ndarray) -> tuple[list[str], list[str]]:
-        """Retain/release lists for slots whose capture cursor just moved (already stored in ``_capture``)."""
-        retain: list[str] = []
-        release: list[str] = []
-        self._sync_pins(slots, retain, release)
-        return retain, release
-
-    def _sync_pins(self, slots: np.ndarray, retain: list[str], release: list[str]) -> None:
-        """Hold references on exactly the keys each slot may still read (distinct slots, in order).
-
-        Before its first capture a request pins all its keys (a prefix hit will read them);
-        afterwards only complete blocks below its capture cursor: blocks it will compute itself
-        need no pin (the store may still hold them from an earlier request, and pinning those
-        would let live requests hold more objects than the KV cache has blocks). One pass of
-        numpy calls for the whole step; a Python loop only over the slots whose pins changed.
-        """
-        table = self._table
-        nkeys = table.nkeys[slots]
-        # no capture yet (-1, so cap // bs == -1): the mask turns -1 into a limit above any key count
-        target = np.minimum(nkeys, (table.capture[slots] // self.block_size) & _NO_LIMIT)
-        have = table.pinned[slots]
-        changed = np.flatnonzero(target != have)  # integer indices: cheaper to gather than a mask
-        if not len(changed):
-            return
-        target, moved = target[changed], slots[changed]
-        for s, t, h in zip(moved.tolist(), target.tolist(), have[changed].tolist()):
-            keys = table.keys[s]
-            if t > h:
-                retain.extend(keys[h:t])
-            else:
-                release.extend(reversed(keys[t:h]))
-        table.pinned[moved] = target
-
     def _check_rows(self, p: PendingStep, n_exec: np.ndarray, rejected: np.ndarray) -> None:
         # np.count_nonzero, not .any(): a quarter of the cost on a step-sized array (numbers: docs/performance.md)
         if not np.count_nonzero((n_exec <= 0) | (rejected < 0) | (rejected > n_exec)):
