@@ -13,7 +13,7 @@ REDIS = VllmOptions(store="redis", store_options={"url": "redis://h", "namespace
 
 
 def fields(extra, **kw):
-    args = {"n": 1, "prompt_start": 0, "use_beam_search": False, "options": ARENA, "output_flag": None, **kw}
+    args = {"n": 1, "use_beam_search": False, "options": ARENA, "output_flag": None, **kw}
     return check_route_fields(extra, **args)
 
 
@@ -34,7 +34,6 @@ def test_defaults_and_good_values():
         ({"routed_experts_session": "s"}, {"n": 3}, "routed_experts_session"),
         ({"routed_experts_session": "s"}, {"use_beam_search": True}, "routed_experts_session"),
         ({"routed_experts_session": "s"}, {"num_prompts": 2}, "routed_experts_session"),
-        ({"routed_experts_session": "s"}, {"prompt_start": 5}, "routed_experts_session"),
         ({"return_routing_weights": 1}, {}, "return_routing_weights"),
         ({"return_routing_weights": True}, {}, "return_routing_weights"),
         ({}, {"output_flag": "keys"}, "routed_experts_output"),

@@ -18,9 +18,13 @@ routes: choice ``i`` gets conversation ``i``'s):
   ``routing_weights`` next to the ids, float32, same shape, start and format (``routing_weights_*``
   fields), streamed and session-delta'd exactly like them.
 
-The hooks wrap, without copying, vLLM methods: the two requests' ``to_sampling_params`` (check
-the new fields, 400 naming the field), ``AsyncLLM.generate`` (session start, per-step row access)
-and the serving classes' response builders (encode rows into the response).
+:func:`install` replaces eleven methods of vLLM's classes with wrappers that call them (none is
+copied): ``CompletionRequest``'s and ``ChatCompletionRequest``'s ``to_sampling_params`` (check the
+new fields, 400 naming the field) and ``to_beam_search_params`` (beam search returns no routes:
+refused when routes are wanted), ``AsyncLLM.generate`` (session start, per-step row access), and
+the response builders of ``OpenAIServingCompletion``, ``OpenAIServingChat`` and
+``OpenAIServingChatBatch`` (encode rows into the response). docs/architecture.md lists every
+replacement auxout makes.
 """
 
 from __future__ import annotations
@@ -70,9 +74,14 @@ thread, so the event loop serving every other request goes on meanwhile (numpy a
 the GIL): about 340 rows at the Qwen3-30B-A3B shape; a 320-row turn (~0.5 ms) stays inline."""
 
 
-def check_route_fields(extra: dict[str, Any], *, n: int, prompt_start: int, use_beam_search: bool,
-                       options: VllmOptions, output_flag: object, num_prompts: int = 1) -> dict[str, Any]:
-    """The auxout HTTP fields of one request, checked; raises ``ValueError(field, message)`` on a bad one."""
+def check_route_fields(extra: dict[str, Any], *, n: int, use_beam_search: bool, options: VllmOptions,
+                       output_flag: object, num_prompts: int = 1) -> dict[str, Any]:
+    """The auxout HTTP fields of one request, checked; raises ``ValueError(field, message)`` on a bad one.
+
+    Checks what needs the parsed request and the server's options. The JSON types, each field's
+    place and the fields that contradict each other (a session with a prompt start, a route field
+    with the opt-out) are the middleware's (:mod:`auxout.vllm.server.body_checks`), which sees the
+    raw body (a prompt start of 0 sent with a session, which parsing makes the default)."""
     fields: dict[str, Any] = {}
     fmt = extra.get(FORMAT_FIELD, DEFAULT_FORMAT)
     if not isinstance(fmt, str) or fmt not in FORMATS:
@@ -86,9 +95,6 @@ def check_route_fields(extra: dict[str, Any], *, n: int, prompt_start: int, use_
         if n != 1 or use_beam_search or num_prompts != 1:
             raise _FieldError(SESSION_FIELD, f"{SESSION_FIELD} needs one prompt, n=1 and no beam search "
                               "(one history per session)")
-        if prompt_start:
-            raise _FieldError(SESSION_FIELD, f"{SESSION_FIELD} and {PROMPT_START} are exclusive: "
-                              "the session decides where routes start")
         if (output_flag if output_flag is not None else options.output) == "keys":
             raise _FieldError(SESSION_FIELD, f"{SESSION_FIELD} sends the rows a client lacks, inline, and keys-only "
                               "output sends a manifest of the whole history instead: ask for inline rows "
@@ -189,7 +195,6 @@ class RouteResponder:
             fields = check_route_fields(
                 extra_fields,
                 n=int(getattr(params, "n", 1) or 1),
-                prompt_start=int(getattr(params, PROMPT_START, 0) or 0),
                 use_beam_search=bool(getattr(request, "use_beam_search", False)),
                 options=self.options,
                 output_flag=extra_args.get(OUTPUT_FLAG),
