@@ -408,7 +408,7 @@ class AuxoutDriver:
         if out is not None:
             return out
         worker.begin_step(meta)
-        pending = worker.prepare_output(st.rids, st.starts, st.qsl, rows, final=True)
+        pending = worker.prepare_output(st.rids, st.starts, st.qsl, rows)
         assert pending is not None
         return worker.process_output(pending, st.sampled, st.rejected)
 

@@ -31,7 +31,6 @@ class LaneStats:
     """How steady decode steps were committed (read by tests and benchmarks)."""
 
     steps: int = 0  # decode steps committed through the lane
-    prepared: int = 0  # of them, committed already when prepared (no drafts) or in one call
     begins: int = 0  # begin_step calls that checked the emit starts against the lane's lists
     fused: int = 0  # of the lane steps, committed by commit_lane_step (one call for three)
 

@@ -57,7 +57,6 @@ class PendingStep:
     token_starts: np.ndarray
     query_start_loc: np.ndarray
     rows: np.ndarray
-    out: StepOutput | None = None  # committed already (a lane step of a ``final`` step)
     impossible: np.ndarray | None = None  # rows no router can produce (``row_check``): their requests fail
 
 
@@ -327,16 +326,12 @@ class WorkerConnector:
         token_starts: Sequence[int] | np.ndarray,
         query_start_loc: Sequence[int] | np.ndarray,
         rows: np.ndarray,
-        final: bool = False,
     ) -> PendingStep | None:
         """Register one executed step. ``rows`` must be a snapshot the engine never mutates again.
 
         ``token_starts[i]`` is request i's computed-token count before the step (as scheduled);
         its rows are ``rows[query_start_loc[i]:query_start_loc[i+1]]``. Trailing padding entries
-        of ``query_start_loc`` (CUDA-graph padding) are ignored. ``final``: no row of this step
-        can be rejected (no drafts were scheduled), so ``process_output`` will get no rejections;
-        a steady decode step (the lane's) is then committed here at once, where numpy already
-        ran for the snapshot, instead of cold after sampling (``process_output`` returns it).
+        of ``query_start_loc`` (CUDA-graph padding) are ignored.
         """
         table = self._table
         if self._closed:  # (checked inline: a call per hook runs cold)
@@ -377,13 +372,6 @@ class WorkerConnector:
         if self._row_check is not None and n:
             step.impossible = self._impossible(rows, int(qsl[-1]))
         self._seq += 1
-        lane = self._lane
-        if (
-            final and lane is not None and slots is lane.slots and not self._pending_steps
-            and self.max_concurrent_batches == 1 and step.impossible is None
-        ):  # fmt: skip
-            step.out = self._lane_step(step, lane)  # (None: not a lane step; process_output commits it)
-            self.lane_stats.prepared += step.out is not None
         self._pending_steps.append(step)
         return step
 
@@ -421,10 +409,6 @@ class WorkerConnector:
         try:
             if (num_sampled is not None and len(num_sampled) < n) or (num_rejected is not None and len(num_rejected) < n):
                 raise InvariantError(f"step of {n} requests needs {n} sampled and rejected counts")
-            if pending.out is not None:  # committed when prepared (``final``)
-                if num_rejected is not None and np.count_nonzero(np.asarray(num_rejected)[:n]):
-                    raise InvariantError("rows were rejected in a step prepared as final (no drafts)")
-                return pending.out
             rejected = None if num_rejected is None else np.asarray(num_rejected, dtype=_I64)[:n]
             return self._commit(pending, rejected)
         finally:
@@ -747,7 +731,7 @@ class WorkerConnector:
         self, meta: StepMetadata, req_ids: list[str], token_starts: list[int], query_start_loc: list[int],
         rows: np.ndarray,
     ) -> StepOutput | None:  # fmt: skip
-        """What ``begin_step(meta)``, ``prepare_output(..., final=True)`` and ``process_output``
+        """What ``begin_step(meta)``, ``prepare_output(...)`` and ``process_output`` (no rejections)
         would return for the decode lane's next step, without doing any of it; None if the step
         is not that one (or could end otherwise: a terminal event, a new generation, a report due).
 
@@ -771,7 +755,7 @@ class WorkerConnector:
         self, meta: StepMetadata, req_ids: list[str], token_starts: list[int], query_start_loc: list[int],
         rows: np.ndarray,
     ) -> StepOutput | None:  # fmt: skip
-        """``begin_step(meta)``, ``prepare_output(..., final=True)`` and ``process_output`` in one
+        """``begin_step(meta)``, ``prepare_output(...)`` and ``process_output`` (no rejections) in one
         call, for the decode lane's next step (the one ``peek_lane_step`` predicts), new block
         hashes included: the same output and the same state after. None, with nothing done,
         when the step is not that one (a terminal event, another batch, a new generation); the
@@ -791,7 +775,6 @@ class WorkerConnector:
         if meta.block_hashes:
             self._apply_hashes(meta, [], [], [], [])
         self._seq += 1  # (prepare_output: the step's sequence number, committed at once)
-        stats.prepared += 1
         stats.fused += 1
         return self._lane_advance(
             lane, req_ids, lane.next_positions, rows, token_starts if lane.first_row == 0 else None

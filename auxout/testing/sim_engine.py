@@ -254,7 +254,6 @@ class SimEngine:
         namespace: str = "sim",
         on_finish: Callable[[SimResult], None] | None = None,
         bulk_steps: bool = True,
-        final_steps: bool = True,
         fused_steps: bool = True,
         life: str = "",
         weights_digest: Callable[[], str] | None = None,
@@ -262,11 +261,9 @@ class SimEngine:
     ) -> None:
         """``shared_store``: ``store`` is reachable by other engines too (the scheduler may ask it
         for routes this engine did not publish). ``bulk_steps``: take a plain decode step's rows
-        whole (``take_step``), as vLLM's bridge does; False: always per request. ``final_steps``:
-        prepare a step without drafts as ``final``, as vLLM's worker does (a lane step is then
-        committed when prepared). ``fused_steps``: with ``final_steps`` and one batch in flight,
-        offer each step to ``commit_lane_step`` first, as vLLM's worker does (the three calls
-        only when it declines). ``life``: this engine's lifetime token (``KeySpace.life``);
+        whole (``take_step``), as vLLM's bridge does; False: always per request. ``fused_steps``:
+        with one batch in flight, offer each step without drafts to ``commit_lane_step`` first,
+        as vLLM's worker does (the three calls only when it declines). ``life``: this engine's lifetime token (``KeySpace.life``);
         ``weights_digest``: names each generation after a reset by the weights (``KeySpace.weights``),
         as vLLM's worker does for a shared store (swap ``model`` and reset to update weights).
         ``row_check``: check every step's rows for ids no router can produce, as vLLM's worker
@@ -288,8 +285,7 @@ class SimEngine:
         self.store = BackgroundStore(inner, max_pending=2 * max_num_seqs, inline_below=inline_below)
         self.held = HeldRows(compact_every=3)  # small: every long request exercises compaction
         self.bulk_steps = bulk_steps
-        self.final_steps = final_steps
-        self.fused_steps = fused_steps and final_steps and not async_scheduling
+        self.fused_steps = fused_steps and not async_scheduling
         self.bulk_taken = 0  # decode steps whose rows were taken whole (take_step)
         keyspace = KeySpace(namespace, life)
         publisher = KeysPublisher(
@@ -539,14 +535,14 @@ class SimEngine:
             num_sampled.append(len(toks))
             num_rejected.append(rejected)
         batch = np.concatenate(rows) if rows else self.model.profile.empty(0)
-        final = self.final_steps and not any(s.num_drafts for s in scheduled)
         ids, starts = [s.req.rid for s in scheduled], [s.reported_start for s in scheduled]
         if meta is not None:
-            done = self.worker.commit_lane_step(meta, ids, starts, qsl, batch) if final else None
+            no_drafts = not any(s.num_drafts for s in scheduled)
+            done = self.worker.commit_lane_step(meta, ids, starts, qsl, batch) if no_drafts else None
             if done is not None:
                 return done, scheduled, np.array(num_sampled), np.array(num_rejected), sampled_tokens
             self.worker.begin_step(meta)
-        pending = self.worker.prepare_output(ids, starts, qsl, batch, final=final)
+        pending = self.worker.prepare_output(ids, starts, qsl, batch)
         return pending, scheduled, np.array(num_sampled), np.array(num_rejected), sampled_tokens
 
     # -- processing a step's output (scheduler side) -----------------------------------------

@@ -64,8 +64,7 @@ def scenarios(draw: st.DrawFn) -> dict:
         seed=draw(st.integers(0, 2**16)),
         inline_below=draw(st.sampled_from([0, 0, 1 << 20])),  # publication on the writer or in place
         bulk_steps=draw(st.booleans()),  # decode steps' rows taken whole (take_step) or per request
-        final_steps=draw(st.booleans()),  # draft-free steps prepared as final (lane steps commit at once)
-        fused_steps=draw(st.booleans()),  # and offered to commit_lane_step first (one call for three)
+        fused_steps=draw(st.booleans()),  # draft-free steps offered to commit_lane_step first (one call for three)
     )
     model = draw(st.sampled_from(sorted(MODELS)))
     turns = draw(st.integers(1, 3))
@@ -113,7 +112,6 @@ def long_decodes(draw: st.DrawFn) -> dict:
         seed=draw(st.integers(0, 2**16)),
         inline_below=draw(st.sampled_from([0, 1 << 20])),
         num_kv_blocks=draw(st.sampled_from([2, 16])) * convs * -(-longest // block_size),
-        final_steps=draw(st.booleans()),
         fused_steps=draw(st.booleans()),
     )
     return dict(
@@ -214,7 +212,6 @@ def run_scenario(sc: dict, stats: dict | None = None) -> int:
         peer.close()
     if stats is not None:
         stats["lane_steps"] = eng.worker.lane_stats.steps
-        stats["lane_prepared"] = eng.worker.lane_stats.prepared
         stats["lane_begins"] = eng.worker.lane_stats.begins
         stats["lane_fused"] = eng.worker.lane_stats.fused
         stats["listed_steps"] = eng.scheduler.listed_steps
@@ -253,12 +250,8 @@ def test_decode_lane_routes_match_full_forward(sc: dict) -> None:
     assert stats["listed_steps"] > 0, stats  # by the lane's list of starts
     if not sc["cfg"]["async_scheduling"]:  # (in flight, the lane is a step behind the scheduler)
         assert stats["lane_begins"] > 0, stats  # begin_step checked the lane's steps without numpy
-    if sc["cfg"]["final_steps"] and not sc["cfg"]["async_scheduling"]:
-        assert stats["lane_prepared"] > 0, stats  # lane steps committed as soon as they were prepared
-    else:
-        assert stats["lane_prepared"] == 0, stats  # (in flight or not final: committed after sampling)
     cfg = sc["cfg"]
-    if cfg["final_steps"] and cfg["fused_steps"] and not cfg["async_scheduling"]:
+    if cfg["fused_steps"] and not cfg["async_scheduling"]:
         assert stats["lane_fused"] > 0, stats  # steady steps committed by commit_lane_step
     else:
         assert stats["lane_fused"] == 0, stats

@@ -1006,40 +1006,6 @@ def test_a_next_turn_admitted_as_its_previous_turn_ends_takes_over_its_pins(heir
     assert spy.inner.stored_keys[:9] == [key(i) for i in range(9, 0, -1)]
 
 
-def test_final_steps_commit_when_prepared_and_equal_the_commit_after_sampling() -> None:
-    """A ``final`` lane step is committed in ``prepare_output``: same outputs and store as after sampling."""
-    ta, tb = oracle(21), oracle(22)
-    early, spy_e = make()
-    late, spy_l = make()
-    for start in range(0, 3 * BS + 3):
-        hashes = {r: [base + (start + 1) // BS] for r, base in (("a", 100), ("b", 200))}  # the block it completes
-        m = meta({"a": start, "b": start}, hashes if (start + 1) % BS == 0 else None)
-        batch = [("a", start, ta[start : start + 1]), ("b", start, tb[start : start + 1])]
-        outs = []
-        for w, final in ((early, True), (late, False)):
-            w.begin_step(m)
-            qsl = [0, 1, 2]
-            p = w.prepare_output(["a", "b"], [start, start], qsl, np.concatenate([b[2] for b in batch]), final=final)
-            assert p is not None
-            outs.append(w.process_output(p, [1, 1], [0, 0]))
-        for rid, t in (("a", ta), ("b", tb)):
-            assert_emits(outs[0], rid, start, t[start : start + 1])
-            assert_emits(outs[1], rid, start, t[start : start + 1])
-        assert outs[0].published == outs[1].published
-    assert early.lane_stats.prepared > 0 and late.lane_stats.prepared == 0
-    assert early.lane_stats.steps == late.lane_stats.steps
-    assert [p[0] for p in spy_e.puts] == [p[0] for p in spy_l.puts]
-    published = [k for p in spy_e.puts for k in p[0]]
-    assert published and stored(spy_e, *published) == stored(spy_l, *published)
-    # a step prepared as final cannot have rejected rows: the caller's contract, checked
-    early.begin_step(meta({"a": 3 * BS + 3, "b": 3 * BS + 3}))
-    s = 3 * BS + 3
-    p = early.prepare_output(["a", "b"], [s, s], [0, 1, 2], np.concatenate([ta[s : s + 1], tb[s : s + 1]]), final=True)
-    assert p is not None and p.out is not None
-    with pytest.raises(InvariantError, match="prepared as final"):
-        early.process_output(p, [1, 1], [0, 1])
-
-
 @pytest.mark.parametrize("meta_order", [("a", "b"), ("b", "a")])
 def test_lane_checks_the_scheduler_emit_starts_in_any_metadata_order(meta_order: tuple[str, str]) -> None:
     """In the decode lane begin_step compares the emit starts with plain lists: same verdicts."""
@@ -1053,12 +1019,12 @@ def test_lane_checks_the_scheduler_emit_starts_in_any_metadata_order(meta_order:
         done = {r: [{"a": 100, "b": 200}[r] + (pos[r] + n[r]) // BS] for r in "ab" if (pos[r] + n[r]) % BS < n[r]}
         w.begin_step(meta({r: pos[r] for r in meta_order}, done))
         rows = np.concatenate([t[r][pos[r] : pos[r] + n[r]] for r in "ab"])
-        p = w.prepare_output(["a", "b"], [pos["a"], pos["b"]], [0, n["a"], n["a"] + n["b"]], rows, final=True)
+        p = w.prepare_output(["a", "b"], [pos["a"], pos["b"]], [0, n["a"], n["a"] + n["b"]], rows)
         assert p is not None
         out = w.process_output(p, [1, 1])
         for r in "ab":
             assert_emits(out, r, pos[r], t[r][pos[r] : pos[r] + n[r]])
-    assert w.lane_stats.prepared > 0 and w.lane_stats.begins >= w.lane_stats.prepared - 1
+    assert w.lane_stats.steps > 0 and w.lane_stats.begins >= w.lane_stats.steps - 1
     nxt = {r: steps + lead[r] for r in meta_order}
     ahead = dict(nxt, b=nxt["b"] + 1)
     with pytest.raises(InvariantError, match=rf"emit cursor moved ahead .*'b'.*emit_start={nxt['b'] + 1}"):
@@ -1092,7 +1058,7 @@ def test_lane_reports_the_store_lost_keys_within_a_few_steps() -> None:
             store.lost.append("gone")  # e.g. the writer dropped a batch, or another engine evicted it
         done = {r: [{"a": 100, "b": 200}[r] + (k + 1) // bs] for r in "ab"} if (k + 1) % bs == 0 else None
         w.begin_step(meta({"a": k, "b": k}, done))
-        p = w.prepare_output(["a", "b"], [k, k], [0, 1, 2], np.concatenate([t[r][k : k + 1] for r in "ab"]), final=True)
+        p = w.prepare_output(["a", "b"], [k, k], [0, 1, 2], np.concatenate([t[r][k : k + 1] for r in "ab"]))
         assert p is not None
         out = w.process_output(p)
         if out.lost:
@@ -1114,7 +1080,7 @@ def test_lane_rows_written_late_reach_the_store_when_the_batch_changes_mid_block
         done = {r: [{"a": 100, "b": 200}[r] + k // BS] for r in live if (k + 1) % BS == 0}
         w.begin_step(meta({r: k for r in live}, done, finished))
         rows = np.concatenate([t[r][k : k + 1] for r in live])
-        p = w.prepare_output(list(live), [k] * len(live), list(range(len(live) + 1)), rows, final=True)
+        p = w.prepare_output(list(live), [k] * len(live), list(range(len(live) + 1)), rows)
         assert p is not None
         out = w.process_output(p)
         for r in live:
@@ -1135,7 +1101,7 @@ def _peeked_step(
     ids, starts = [b[0] for b in batch], [b[1] for b in batch]
     peek = w.peek_lane_step(m, list(ids), list(starts), list(qsl), rows)
     w.begin_step(m)
-    p = w.prepare_output(ids, starts, qsl, rows, final=True)
+    p = w.prepare_output(ids, starts, qsl, rows)
     assert p is not None
     return peek, w.process_output(p)
 
@@ -1244,17 +1210,17 @@ def test_a_fused_lane_step_equals_the_three_calls(ops: list[str], seed: int) -> 
         out = fused.commit_lane_step(m, list(ids), list(starts), list(qsl), rows)
         if out is None:
             fused.begin_step(m)
-            pf = fused.prepare_output(ids, starts, qsl, rows, final=True)
+            pf = fused.prepare_output(ids, starts, qsl, rows)
             assert pf is not None
             out = fused.process_output(pf)
         plain.begin_step(m)
-        pp = plain.prepare_output(ids, starts, qsl, rows, final=True)
+        pp = plain.prepare_output(ids, starts, qsl, rows)
         assert pp is not None
         _same_output(out, plain.process_output(pp))
         for r, start, want in batch:
             assert_emits(out, r, start, want)
         assert spy_f.puts == spy_p.puts, k
-    assert (fused.lane_stats.steps, fused.lane_stats.prepared) == (plain.lane_stats.steps, plain.lane_stats.prepared)
+    assert fused.lane_stats.steps == plain.lane_stats.steps
     assert fused.lane_stats.fused <= fused.lane_stats.steps and plain.lane_stats.fused == 0
 
 
@@ -1273,7 +1239,7 @@ def test_commit_lane_step_takes_the_steady_steps_and_declines_the_rest() -> None
         taken.append(out is not None)
         if out is None:
             w.begin_step(m)
-            p = w.prepare_output(["a", "b"], [s, s], [0, 1, 2], rows, final=True)
+            p = w.prepare_output(["a", "b"], [s, s], [0, 1, 2], rows)
             assert p is not None
             out = w.process_output(p)
         for r in "ab":

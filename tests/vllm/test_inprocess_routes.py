@@ -104,19 +104,19 @@ def test_preempted_requests_sharing_a_prefix_stay_exact(llm, oracle, joins):
 
 
 def test_a_steady_decode_batch_takes_the_fast_paths_and_stays_exact(llm, oracle):
-    """A batch decoding side by side runs the worker's lane: committed when prepared (no drafts),
-    in one call for the connector's three (``commit_lane_step``), its emit starts checked as
-    lists, its rows taken whole by the bridge; the oracle checks them."""
+    """A batch decoding side by side runs the worker's lane: committed in one call for the
+    connector's three (``commit_lane_step``), its emit starts checked as lists, its rows taken
+    whole by the bridge; the oracle checks them."""
     core = llm.llm_engine.engine_core.engine_core  # (in-process: the engine core's own objects)
     worker = core.model_executor.driver_worker.worker._auxout_connector
     bridge = core.scheduler.auxout.connector
-    before = (worker.lane_stats.prepared, worker.lane_stats.begins, worker.lane_stats.fused, bridge.listed_steps)
+    before = (worker.lane_stats.begins, worker.lane_stats.fused, bridge.listed_steps)
     rng = np.random.default_rng(42)
     prompts = [random_prompt(rng, 20 + 7 * i) for i in range(3)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(70), use_tqdm=False)
     for p, out in zip(prompts, outs, strict=True):
         oracle.check(p, out.outputs[0])
-    after = (worker.lane_stats.prepared, worker.lane_stats.begins, worker.lane_stats.fused, bridge.listed_steps)
+    after = (worker.lane_stats.begins, worker.lane_stats.fused, bridge.listed_steps)
     assert all(a - b >= 30 for a, b in zip(after, before)), (before, after)
 
 

@@ -317,7 +317,7 @@ class AuxoutWorkerMixin:
             out = conn.commit_lane_step(meta, req_ids, starts, q, rows)  # (the three calls in one)
             if out is None:  # (not the lane's next step after all, or it brings more: the three calls)
                 conn.begin_step(meta)
-                pending = conn.prepare_output(req_ids, np.array(starts, dtype=np.int64), q, rows, final=True)
+                pending = conn.prepare_output(req_ids, np.array(starts, dtype=np.int64), q, rows)
                 out = None if pending is None else conn.process_output(pending)
         if (
             out is None or out.lo is not sent.lo or out.hi is not sent.hi or out.rows is not rows or out.errors
@@ -372,7 +372,7 @@ class AuxoutWorkerMixin:
                 return
         with self._auxout_lock:
             conn.begin_step(meta)
-            pending = conn.prepare_output(req_ids, starts, qsl, rows, final=not spec)
+            pending = conn.prepare_output(req_ids, starts, qsl, rows)
         if pending is not None:
             self._auxout_pending = (
                 (pending, req_ids, dict(scheduler_output.num_scheduled_tokens), dict(spec)) if spec
