@@ -22,7 +22,7 @@ routers' capture bound while off, so on/off is the connectors' cost alone.
 
     python benchmarks/toggle_overhead.py                  # tiny qwen3_moe, mp executor, 12 cycles
     python benchmarks/toggle_overhead.py --cycles 30 --executor uni
-    python benchmarks/toggle_overhead.py --size realistic --gen 64 --cycles 4
+    python benchmarks/toggle_overhead.py --size realistic --gen 64 --cycles 10   # 20 on/off pairs, bootstrap CI
     python benchmarks/toggle_overhead.py --cycles 10 --phases [--off-mode capture]
 """
 
@@ -45,6 +45,18 @@ if os.environ.get({env!r}):
     import toggle_overhead
     toggle_overhead.install_switch()
 """
+
+
+def bootstrap_median_ci(xs: list[float], rounds: int = 10_000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile-bootstrap interval of the median of ``xs`` (resampled with replacement)."""
+    import numpy as np
+
+    a = np.asarray(xs, dtype=np.float64)
+    if a.size < 2:
+        return float(a[0]), float(a[0])
+    idx = np.random.default_rng(seed).integers(0, a.size, size=(rounds, a.size))
+    medians = np.median(a[idx], axis=1)
+    return float(np.percentile(medians, 2.5)), float(np.percentile(medians, 97.5))
 
 
 def install_switch() -> None:
@@ -307,7 +319,9 @@ def measure(args: argparse.Namespace) -> int:
 
     def spread(xs: list[float]) -> str:
         qs = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
-        return f"median {statistics.median(xs):.3f} [quartiles {qs[0]:.3f}..{qs[2]:.3f}] over {len(xs)}"
+        lo, hi = bootstrap_median_ci(xs)
+        return (f"median {statistics.median(xs):.3f} [95% bootstrap CI {lo:.3f}..{hi:.3f}; quartiles "
+                f"{qs[0]:.3f}..{qs[2]:.3f}] over {len(xs)}")
 
     print(f"median throughput on {statistics.median(rates[True]):.0f} tok/s, off {statistics.median(rates[False]):.0f}")
     print(f"control off/off: {spread(off_off)}; on/on: {spread(on_on)}")
