@@ -2,7 +2,9 @@
 
 Per step the engine calls ``begin_step(metadata)``, runs the forward (capture fills one rows
 array for the whole batch), calls ``prepare_output(...)`` and, once the step's sampled and
-rejected counts are known, ``process_output(...)``. The connector
+rejected counts are known, ``process_output(...)``; a steady decode step may instead go through
+``commit_lane_step`` (the three calls in one), and its output may be predicted before any of
+them (``peek_lane_step``). The connector
 
 - drops rows of rejected speculative tokens and re-attaches rows of a step that was scheduled
   optimistically on top of rejected drafts,
@@ -12,16 +14,22 @@ rejected counts are known, ``process_output(...)``. The connector
   blocks back from the store,
 - defers the teardown of finished requests while step outputs covering them are in flight.
 
-Per-request state lives in numpy arrays indexed by an integer *slot* (one slot per request
-incarnation), so the per-step bookkeeping is a handful of vectorized calls, not a Python loop
-over requests. A request finished while an output is in flight and then announced again gets a
-new slot; the in-flight step still refers to the old one.
+A step is committed by one of three paths in ``_commit``: the decode lane (``DecodeLane``, the
+same batch decoding step after step), the one-row decode step (``_commit_decode``), or the
+general commit below them; requests that cannot continue are cut out first
+(``_commit_apart``). Around this module:
+
+- ``slot_table``: per-request state (cursors, tails, keys, pins) by *request slot*,
+- ``decode_lane``: the decode lane, whose held-back writes the table runs before any access,
+- ``store_io``: publishing to the store and reading rows back (``StoreWriter``, ``StoreReader``),
+- ``pending_step``: a registered step and the cuts made on it,
+- ``staging``: the pool of *pool blocks* holding rows that cannot go to the store yet.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from itertools import repeat
 from typing import TYPE_CHECKING
 
@@ -29,6 +37,15 @@ import numpy as np
 
 from auxout.connector.decode_lane import DecodeLane, LaneStats
 from auxout.connector.messages import NO_EMIT, StepMetadata, StepOutput
+from auxout.connector.pending_step import (
+    PendingStep,
+    broken_capture_reasons,
+    check_counts,
+    impossible_reasons,
+    rejoin,
+    row_ranges,
+    without,
+)
 from auxout.connector.slot_table import SlotTable
 from auxout.connector.staging import StagingPool, staging_pool_blocks
 from auxout.connector.store_io import StoreReader, StoreWriter
@@ -47,39 +64,9 @@ if TYPE_CHECKING:  # (auxout.connector.row_check loads numba: only the engines t
 _I64 = np.int64
 
 
-@dataclass(slots=True)
-class PendingStep:
-    """One executed step whose output has not been processed yet (explicit handles only)."""
-
-    seq: int
-    req_ids: list[str]
-    slots: np.ndarray
-    token_starts: np.ndarray
-    query_start_loc: np.ndarray
-    rows: np.ndarray
-    impossible: np.ndarray | None = None  # rows no router can produce (``row_check``): their requests fail
-
-
 # A lane step drains the store's lost keys only every this many steps, or when it publishes
 # (an in-process store evicts only then; a background writer's drops are reported this late)
 _LANE_DRAIN_EVERY = 16
-
-
-def _excl_cumsum(counts: np.ndarray) -> np.ndarray:
-    out = np.zeros(len(counts), dtype=_I64)
-    if len(counts) > 1:
-        np.cumsum(counts[:-1], out=out[1:])
-    return out
-
-
-def _ranges(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Flattened ``(segment index, offset)`` for segments ``[starts[i], starts[i]+counts[i])``."""
-    total = int(counts.sum())
-    if total == len(counts) and np.count_nonzero(counts == 1) == total:  # decode: one row per segment
-        return np.arange(total, dtype=_I64), np.zeros(total, dtype=_I64)
-    seg = np.repeat(np.arange(len(counts), dtype=_I64), counts)
-    off = np.arange(total, dtype=_I64) - np.repeat(_excl_cumsum(counts), counts)
-    return seg, off
 
 
 class WorkerConnector:
@@ -443,7 +430,7 @@ class WorkerConnector:
             rejected = np.zeros(len(slots), dtype=_I64)
         qs, qe = p.query_start_loc[:-1], p.query_start_loc[1:]
         n_exec = qe - qs
-        self._check_rows(p, n_exec, rejected)
+        check_counts(p, n_exec, rejected)
         kept = n_exec - rejected
 
         cur = table.capture[slots]
@@ -455,7 +442,7 @@ class WorkerConnector:
         if np.count_nonzero(gap):
             broken |= gap & (cur >= table.sched[slots])
         if np.count_nonzero(broken):
-            return self._commit_apart(p, rejected, broken, fresh, cur)
+            return self._commit_apart(p, rejected, broken, broken_capture_reasons(p, broken, fresh, cur, bs))
         end = cap + kept
         table.capture[slots] = end
         table.sched[slots] = ts + n_exec
@@ -481,7 +468,7 @@ class WorkerConnector:
         seg_slot = np.concatenate([old_tail[hidx], new_tail])
         seg_local = np.concatenate([cap[hidx] % bs, np.zeros(len(trail_idx), dtype=_I64)])
         if len(seg_cnt):
-            seg, off = _ranges(seg_src, seg_cnt)
+            seg, off = row_ranges(seg_src, seg_cnt)
             # row-wise copy through 2-D byte views: one gather + one scatter of whole token rows
             self.pool.token_rows[seg_slot[seg] * bs + seg_local[seg] + off] = rows.reshape(len(rows), -1)[
                 seg_src[seg] + off
@@ -571,78 +558,40 @@ class WorkerConnector:
     def _commit_impossible(self, p: PendingStep, rejected: np.ndarray | None) -> StepOutput:
         """A step whose snapshot holds rows no router can produce: the requests they belong to are
         committed apart (nothing of theirs stored or emitted, an error each), the rest as usual."""
-        assert p.impossible is not None and self._row_check is not None
+        assert self._row_check is not None
         self._leave_lane()
-        q = p.query_start_loc
-        n = len(p.req_ids)
-        bad_rows = np.flatnonzero(p.impossible[: int(q[n])])
-        owner = np.searchsorted(q[1 : n + 1], bad_rows, side="right")  # request of each bad row
-        broken = np.zeros(n, dtype=bool)
-        broken[owner] = True
-        reasons: dict[int, str] = {}
-        for row, i in zip(bad_rows.tolist(), owner.tolist()):
-            if i not in reasons:
-                position = int(p.token_starts[i]) + row - int(q[i])
-                reasons[i] = (
-                    f"impossible routes at capture (token position {position}): "
-                    f"{self._row_check.reason(p.rows, row)}; not stored, not returned"
-                )
+        reasons = impossible_reasons(p, self._row_check.reason)
         self.impossible_requests += len(reasons)
         COUNTS.add("invalid_rows_refused", len(reasons))
         p.impossible = None
-        none = np.zeros(n, dtype=_I64) if rejected is None else rejected
-        return self._commit_apart(p, none, broken, broken, p.token_starts, reasons)
+        n = len(p.req_ids)
+        broken = np.zeros(n, dtype=bool)
+        broken[list(reasons)] = True
+        return self._commit_apart(p, np.zeros(n, dtype=_I64) if rejected is None else rejected, broken, reasons)
 
     def _commit_apart(
-        self, p: PendingStep, rejected: np.ndarray, broken: np.ndarray, fresh: np.ndarray, cur: np.ndarray,
-        reasons: dict[int, str] | None = None,
+        self, p: PendingStep, rejected: np.ndarray, broken: np.ndarray, reasons: dict[int, str]
     ) -> StepOutput:
-        """Commit a step without the requests whose rows cannot continue their capture.
+        """Commit a step without the requests ``broken`` (``reasons``: why, by batch index).
 
-        Each of those (capture moved backwards, a gap no rejected draft explains, or a first
-        capture off a hash-block boundary) breaks an invariant that guards which rows belong to
-        which tokens: it emits nothing and gets an entry in ``errors``, so the engine recomputes
-        it from a fresh incarnation (or fails it alone after repeated tries); the rest of the
-        batch commits as usual.
+        Each breaks an invariant that guards which rows belong to which tokens: it emits nothing
+        and gets its reason in ``errors``, once per incarnation, so the engine recomputes it from
+        a fresh incarnation (or fails it alone after repeated tries); the rest of the batch
+        commits as usual.
         """
-        table = self._table
-        bs = self.block_size
-        ts = p.token_starts
+        emit = self._table.emit
         errors: dict[str, str] = {}
         for i in np.flatnonzero(broken).tolist():
-            rid, t, c = p.req_ids[i], int(ts[i]), int(cur[i])
-            if reasons is not None:  # (rows no router can produce: ``row_check``)
-                why = reasons[i]
-            elif t < c:
-                why = f"capture moved backwards: step starts at {t}, rows up to {c} were already captured"
-            elif fresh[i]:
-                why = f"capture is not contiguous: first rows start at {t}, not a multiple of the hash block size {bs}"
-            else:
-                why = f"capture has an unbacked token gap: step starts at {t}, capture cursor {c} is not inside a rejected draft range"
             s = int(p.slots[i])
-            if table.emit[s] != NO_EMIT:  # reported once per incarnation (later steps in flight stay silent)
-                table.emit[s] = NO_EMIT
-                errors[rid] = why if reasons is not None else f"InvariantError: {why}"
+            if emit[s] != NO_EMIT:  # reported once per incarnation (later steps in flight stay silent)
+                emit[s] = NO_EMIT
+                errors[p.req_ids[i]] = reasons[i]
         keep = np.flatnonzero(~broken)
-        n = len(p.req_ids)
-        lo = np.full(n, -1, dtype=_I64)
-        hi = np.full(n, -1, dtype=_I64)
         if not len(keep):
-            published, lost = self._writer.events()
-            return StepOutput(list(p.req_ids), ts.copy(), lo, hi, p.rows[:0], errors, published, lost)
-        qs = p.query_start_loc[:-1][keep]
-        counts = p.query_start_loc[1:][keep] - qs
-        seg, off = _ranges(qs, counts)
-        part = PendingStep(
-            p.seq, [p.req_ids[i] for i in keep.tolist()], p.slots[keep], ts[keep],
-            np.concatenate([[0], np.cumsum(counts)]).astype(_I64), p.rows[qs[seg] + off],
-        )  # fmt: skip
-        out = self._commit(part, rejected[keep])
-        starts = ts.copy()
-        starts[keep], lo[keep], hi[keep] = out.token_starts, out.lo, out.hi
-        return StepOutput(
-            list(p.req_ids), starts, lo, hi, out.rows, {**out.errors, **errors}, out.published, out.lost, out.heads
-        )
+            out = rejoin(p, keep, None, errors)
+            out.published, out.lost = self._writer.events()
+            return out
+        return rejoin(p, keep, self._commit(without(p, keep), rejected[keep]), errors)
 
     def _commit_decode(self, p: PendingStep) -> StepOutput | None:
         """``_commit`` for the common decode step, in a third of the numpy calls; None if not one.
@@ -842,22 +791,6 @@ class WorkerConnector:
                 pool_pub.append(block)
             else:
                 staged[s][b] = block
-    def _check_rows(self, p: PendingStep, n_exec: np.ndarray, rejected: np.ndarray) -> None:
-        # np.count_nonzero, not .any(): a quarter of the cost on a step-sized array (numbers: docs/performance.md)
-        if not np.count_nonzero((n_exec <= 0) | (rejected < 0) | (rejected > n_exec)):
-            return
-        bad = n_exec <= 0
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise InvariantError(f"request {p.req_ids[i]!r} executed {int(n_exec[i])} tokens; must be positive")
-        bad = (rejected < 0) | (rejected > n_exec)
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise InvariantError(
-                f"rejected-token count {int(rejected[i])} is invalid for request {p.req_ids[i]!r} "
-                f"which executed {int(n_exec[i])} tokens"
-            )
-
     # -- lifecycle ----------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
