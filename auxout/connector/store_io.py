@@ -180,7 +180,7 @@ class StoreReader:
         order = np.concatenate([np.flatnonzero(whole), np.flatnonzero(~whole)])  # whole heads first
         n_before = (c_slow - e_slow)[order]
         ends = np.cumsum(n_before)
-        # per head, in read order: its request's index, slot, rows [e, c) and place [a, b) in the read
+        # per head, in read order: its request's index and request slot, rows [e, c) and place [a, b) in the read
         idx, sl, e, c = slow[order].tolist(), s_slow[order].tolist(), e_slow[order].tolist(), c_slow[order].tolist()
         a_, b_ = (ends - n_before).tolist(), ends.tolist()
         n_whole = int(np.count_nonzero(whole))

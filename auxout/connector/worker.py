@@ -194,7 +194,7 @@ class WorkerConnector:
         done: list[int] = []
         # terminal events first: a request may end one incarnation and start the next this step
         if meta.finished:
-            table.epoch += 1  # (an id may come back with a new slot while the old one awaits teardown)
+            table.epoch += 1  # (an id may come back with a new request slot while the old one awaits teardown)
         for rid in meta.finished:
             s = slot_of.pop(rid, None)
             if s is None:
@@ -217,7 +217,7 @@ class WorkerConnector:
         cache = self._begin_cache
         steady = False
         if cache is not None and cache[0] == table.epoch and cache[1] == names:
-            known = cache[2]  # (the same batch as the last step: every slot known)
+            known = cache[2]  # (the same batch as the last step: every request slot known)
             old = None
             lane = self._lane
             if lane is not None and not self._pending_steps:  # the lane's next step: starts as it expects
@@ -290,7 +290,7 @@ class WorkerConnector:
             self.pool.free(pool_blocks)
 
     def _busy(self, s: int) -> bool:
-        """Whether a prepared step whose output is not processed yet (and not voided) covers slot ``s``.
+        """Whether a prepared step whose output is not processed yet (and not voided) covers request slot ``s``.
 
         Asked only at terminal events and the rare checks around them: counting per step would
         cost a gather, an add and a scatter on every prepare and every process.
@@ -457,7 +457,7 @@ class WorkerConnector:
         trail = (end % bs != 0) & (stop_full >= first_full)
         old_tail = table.tail[slots]
         if np.count_nonzero(has_head & (old_tail < 0)):
-            raise InvariantError("open tail block lost its staging slot")
+            raise InvariantError("open tail block lost its staging pool block")
         trail_idx = np.flatnonzero(trail)
         new_tail = self.pool.alloc(len(trail_idx))
         hidx = np.flatnonzero(has_head)
@@ -465,12 +465,12 @@ class WorkerConnector:
         tcount = end[trail_idx] % bs
         seg_src = np.concatenate([qs[hidx], qs[trail_idx] + (end[trail_idx] - tcount - cap[trail_idx])])
         seg_cnt = np.concatenate([hcount, tcount])
-        seg_slot = np.concatenate([old_tail[hidx], new_tail])
+        seg_block = np.concatenate([old_tail[hidx], new_tail])  # (pool blocks)
         seg_local = np.concatenate([cap[hidx] % bs, np.zeros(len(trail_idx), dtype=_I64)])
         if len(seg_cnt):
             seg, off = row_ranges(seg_src, seg_cnt)
             # row-wise copy through 2-D byte views: one gather + one scatter of whole token rows
-            self.pool.token_rows[seg_slot[seg] * bs + seg_local[seg] + off] = rows.reshape(len(rows), -1)[
+            self.pool.token_rows[seg_block[seg] * bs + seg_local[seg] + off] = rows.reshape(len(rows), -1)[
                 seg_src[seg] + off
             ]
         tail = old_tail.copy()
@@ -484,12 +484,12 @@ class WorkerConnector:
         table.sync_pins(slots, retain, release)  # (pins follow the capture cursors just moved)
         nbytes = self._block_nbytes
         objects = BlockObjects(nbytes=nbytes)
-        pool_keys: list[str] = []
-        pool_pub: list[int] = []
+        pub_keys: list[str] = []  # filled pool blocks to publish, and their keys
+        pub_blocks: list[int] = []
         filled = np.flatnonzero(head_done)  # open tails this step filled
         if len(filled):
             self._key_or_stage(
-                slots[filled].tolist(), head_blk[filled].tolist(), old_tail[filled].tolist(), pool_keys, pool_pub
+                slots[filled].tolist(), head_blk[filled].tolist(), old_tail[filled].tolist(), pub_keys, pub_blocks
             )
         stage_views: list[tuple[int, int, int]] = []  # (request slot, block index, row start in `rows`)
         flat = rows.reshape(-1).view(np.uint8)
@@ -511,7 +511,7 @@ class WorkerConnector:
             self.pool.blocks[dst] = rows[src[:, None] + np.arange(bs, dtype=_I64)]
             for (s, b, _), d in zip(stage_views, dst.tolist()):
                 table.staged[s][b] = d
-        self._writer.publish(objects, pool_keys, pool_pub, retain, release)
+        self._writer.publish(objects, pub_keys, pub_blocks, retain, release)
 
         # -- emit from each request's own cursor -------------------------------------------------
         emit = table.emit[slots]
@@ -623,7 +623,7 @@ class WorkerConnector:
         if n_open:
             tail[opening] = self.pool.alloc(n_open)
         if tail.min() < 0:  # every row extends a staged tail, or the one just opened for it
-            raise InvariantError("open tail block lost its staging slot")
+            raise InvariantError("open tail block lost its staging pool block")
         self.pool.blocks[tail, pos] = rows[q0 : q0 + n]  # (two index arrays: no flat index to compute)
         fills = pos == bs - 1
         table.capture[slots] = end
@@ -767,30 +767,32 @@ class WorkerConnector:
         self._lane_candidate = None
         lane.leave()
 
-    def _publish_filled(self, full: np.ndarray, blocks: list[int], block_index: list[int]) -> None:
-        """Request slots ``full`` each just filled block ``block_index[i]``, staged in pool block
-        ``blocks[i]``: pins follow their capture cursors (only a completed block moves them), and
-        the block is published if its key is known, else stays staged until its hash arrives."""
+    def _publish_filled(self, slots: np.ndarray, pool_blocks: list[int], block_index: list[int]) -> None:
+        """Request slots ``slots`` each just filled block ``block_index[i]``, staged in pool block
+        ``pool_blocks[i]``: pins follow their capture cursors (only a completed block moves them),
+        and the block is published if its key is known, else stays staged until its hash arrives."""
         retain: list[str] = []
         release: list[str] = []
-        self._table.sync_pins(full, retain, release)
-        pool_keys: list[str] = []
-        pool_pub: list[int] = []
-        self._key_or_stage(full.tolist(), block_index, blocks, pool_keys, pool_pub)
-        self._writer.publish(None, pool_keys, pool_pub, retain, release)
+        self._table.sync_pins(slots, retain, release)
+        pub_keys: list[str] = []
+        pub_blocks: list[int] = []
+        self._key_or_stage(slots.tolist(), block_index, pool_blocks, pub_keys, pub_blocks)
+        self._writer.publish(None, pub_keys, pub_blocks, retain, release)
 
     def _key_or_stage(
-        self, slots: list[int], block_index: list[int], blocks: list[int], pool_keys: list[str], pool_pub: list[int]
-    ) -> None:
-        """Filled pool blocks: one whose key is known goes to ``pool_keys``/``pool_pub`` (for
-        ``_publish``), the rest stay staged until their hashes arrive with a later step."""
+        self, slots: list[int], block_index: list[int], pool_blocks: list[int], pub_keys: list[str],
+        pub_blocks: list[int],
+    ) -> None:  # fmt: skip
+        """Filled pool blocks: one whose key is known goes to ``pub_keys``/``pub_blocks`` (for
+        ``StoreWriter.publish``), the rest stay staged until their hashes arrive with a later step."""
         keys, staged = self._table.keys, self._table.staged
-        for s, b, block in zip(slots, block_index, blocks):
+        for s, b, block in zip(slots, block_index, pool_blocks):
             if b < len(keys[s]):
-                pool_keys.append(keys[s][b])
-                pool_pub.append(block)
+                pub_keys.append(keys[s][b])
+                pub_blocks.append(block)
             else:
                 staged[s][b] = block
+
     # -- lifecycle ----------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
