@@ -1,1 +1,2 @@
-"""The worker processes: auxout's worker classes, the router capture and the layer topology."""
+"""The worker processes: auxout's worker classes, the router capture, the layer topology and
+the step output that resolves asynchronously."""

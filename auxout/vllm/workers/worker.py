@@ -28,7 +28,6 @@ from auxout.connector.row_check import RowCheck
 from auxout.connector.worker import PendingStep, WorkerConnector
 from auxout.errors import InvariantError
 from auxout.stores import make_store
-from auxout.vllm.caller.async_output import RoutedAsyncOutput
 from auxout.vllm.config import route_keyspace, weights_digest
 from auxout.vllm.options import options_from_vllm_config, shares_routes
 from auxout.vllm.weight_sync import (
@@ -37,6 +36,7 @@ from auxout.vllm.weight_sync import (
     install_prepack_repair,
     load_on_worker,
 )
+from auxout.vllm.workers.async_output import RoutedAsyncOutput
 from auxout.vllm.workers.capture import RouteCapture, bind_capture
 from auxout.vllm.workers.topology import RankRole, current_role, install_pipeline_rows
 
