@@ -422,7 +422,7 @@ class WorkerConnector:
         slots, rows, ts = p.slots, p.rows, p.token_starts
         if none_rejected:
             q = p.query_start_loc.tolist()
-            if q == list(range(q[0], q[0] + len(q))):  # one row each, none rejected: nothing for _check_rows
+            if q == list(range(q[0], q[0] + len(q))):  # one row each, none rejected: nothing for check_counts
                 out = self._commit_decode(p)
                 if out is not None:
                     return out
