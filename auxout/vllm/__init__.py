@@ -8,12 +8,13 @@ prefill, speculative decoding and preemption. Opt a request out with
 also fills ``CompletionOutput.routing_weights`` (float32, same shape: the top-k combine weights).
 ``update_weights(llm, model.named_parameters())`` loads new weights in place (an RL weight sync).
 
-The only package that imports vLLM, grouped by the process each part runs in: ``engine_core``
-(the scheduler), ``workers`` (worker classes, router capture, layer topology), ``caller`` (request
-checks, completion outputs), ``server`` (``auxout serve``); beside them the options
-(``options``, ``config``), the names of every request and output field (``fields``) and the
-in-place weight sync (``weight_sync``). What auxout replaces or
-wraps in vLLM is listed in docs/architecture.md.
+The binding of auxout to vLLM (elsewhere only ``auxout.demo`` and the trainer's rollouts build
+engines, through it), grouped by the process each part runs in: ``engine_core`` (the
+scheduler), ``workers`` (worker classes, router capture, layer topology, async step outputs),
+``caller`` (request checks, completion outputs), ``server`` (``auxout serve``); beside them the
+options (``options``, ``config``), every request and output field's name (``fields``) and the
+in-place weight sync (``weight_sync``). What auxout subclasses, replaces or wraps in vLLM, and
+why: docs/architecture.md.
 """
 
 from auxout.vllm.config import engine_kwargs
