@@ -104,7 +104,8 @@ WEIGHTS_SPLIT = "auxout_weights_split"
 for the user. Without it (a frontend auxout did not hook) the engine sends the ids alone and
 warns, never raw byte rows."""
 INTERNAL_KEY = "auxout_http"
-"""The server's checked HTTP fields of a request, from ``to_sampling_params`` to ``generate``."""
+"""The server's checked HTTP fields of a request, from ``to_sampling_params`` to ``generate``;
+never accepted from a client (the body checks refuse it)."""
 
 
 def misspelt_route_field(name: str, known: Sequence[str], where: Mapping[str, str] | None = None) -> str | None:
