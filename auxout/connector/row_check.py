@@ -28,6 +28,12 @@ import numpy as np
 
 from auxout.profile import RouteProfile
 
+# Before numba: importing numba registers an atexit hook (weakref.finalize's) at once. Registered
+# before multiprocessing's, that hook runs after it at exit (atexit runs last in, first out), so
+# multiprocessing would wait for a vLLM engine-core process whose LLM was never shut down explicitly,
+# forever. Imported first, multiprocessing's exit hook runs last, after the LLM's finalizer.
+import multiprocessing.util  # noqa: E402,F401  # isort: skip
+
 try:  # (a dependency of vLLM: present wherever routes are captured; numpy otherwise)
     import numba
 except ImportError:  # pragma: no cover - exercised where numba is absent

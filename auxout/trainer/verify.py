@@ -138,7 +138,13 @@ def rollout_vllm(model_path: str, prompts: Sequence[np.ndarray], max_new_tokens:
     sp = vllm.SamplingParams(max_tokens=max_new_tokens, min_tokens=max_new_tokens, ignore_eos=True,
                              temperature=temperature, seed=seed, logprobs=0, detokenize=False)
     reqs: list[Any] = [vllm.TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
-    res = llm.generate(reqs, sp, use_tqdm=False)
+    try:
+        res = llm.generate(reqs, sp, use_tqdm=False)
+    finally:  # now, not when the LLM is collected: at interpreter exit that can come after
+        # multiprocessing joins its children, and the engine-core process never exits
+        core = getattr(llm.llm_engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
     out: list[Rollout] = []
     for p, r in zip(prompts, res):
         c = r.outputs[0]
