@@ -16,7 +16,7 @@ holds; large batches (prefill) still overlap with the engine. Never use it for n
 A batch releasing ``INLINE_MAX_RELEASES`` keys or more (a finished prefill's teardown) is queued
 whatever its bytes: its index work is a prefill's, and nothing waits for a release
 (the prefill replay of ``benchmarks/dataplane.py``: 12% less time on the step's thread,
-paired A/B; docs/performance.md).
+paired A/B).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from auxout.stores.policy import EvictionPolicy
 UNWRITTEN = -1
 # Batches of fewer objects are copied payload by payload: a joined temporary of ~100 KB is
 # allocated and freed every decode step, and glibc hands its pages back to the kernel each time
-# (measured 60 us for 16 objects vs 25 us copying each one; docs/performance.md).
+# (measured 60 us for 16 objects vs 25 us copying each one).
 _JOIN_MIN = 64
 
 
@@ -252,7 +252,7 @@ class SlotIndex:
         Referenced keys scanned past move to the recent end: their place in the order is not
         observable, and the pins of long-running requests would otherwise sit at the old end and
         be scanned again by every eviction (a decode step's put took 41-48 ms behind 100k pinned
-        blocks; docs/performance.md). The scan window grows geometrically, so a batch examines
+        blocks). The scan window grows geometrically, so a batch examines
         about twice the keys it evicts once the pins are out of the way.
         """
         refs, lru = self.refs, self.lru

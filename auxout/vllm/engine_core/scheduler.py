@@ -236,8 +236,7 @@ class SchedulerBridge:
         """Whether vLLM's per-request loop over this step's output can run with ``collector``
         standing in for this bridge: a step without read-back heads or errors (every decode
         step) whose requests all get their rows at finish only. vLLM then calls no Python
-        function of auxout per request (about 1 us each, 16 per step on the tiny model:
-        docs/performance.md); ``settle_collected`` makes the same calls after the loop.
+        function of auxout per request (about 1 us each, 16 per step on the tiny model); ``settle_collected`` makes the same calls after the loop.
         """
         return step is not None and not step.errors and not step.heads and self.plain.issuperset(step.req_ids)
 
@@ -285,7 +284,7 @@ class SchedulerBridge:
         that gets its rows only at finish is not served inside vLLM's loop: ``take_output``
         queues it, and ``end_step_output`` takes all of them with one ``take_outputs`` call (the
         same rows; two calls per request fewer, about 40 us less per 16-request step measured in
-        the engine: docs/performance.md). When every request of the step was queued and each
+        the engine). When every request of the step was queued and each
         took its one row (a steady decode batch), ``take_step`` takes the step whole and
         ``HeldRows.add_step`` holds its rows array once: no call per request at all.
         """

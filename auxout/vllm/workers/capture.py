@@ -76,7 +76,7 @@ def profile_from_model_config(model_config: Any, num_moe_layers: int, weights: b
     )
 
 
-_STACK_FROM = 8  # MoE layers from which snapshot stacks them (benchmarks/capture_snapshot.py)
+_STACK_FROM = 8  # MoE layers from which snapshot stacks them (benchmarks/probes/capture_snapshot.py)
 
 
 class RouteCapture:
@@ -244,7 +244,7 @@ class RouteCapture:
             held[:] = [None] * len(held)
             if len(ids) >= _STACK_FROM and all(len(t) == num_rows for t in ids):  # type: ignore[arg-type]
                 # many layers: one torch.stack and one cast instead of two calls per layer
-                # (from 8 layers; 16: 0.8x the time, 48: 0.6x, benchmarks/capture_snapshot.py)
+                # (from 8 layers; 16: 0.8x the time, 48: 0.6x, benchmarks/probes/capture_snapshot.py)
                 out = torch.stack(ids, 1).numpy().astype(self._row_dtype)  # type: ignore[arg-type]
                 self._unbuffered = out
                 return out
