@@ -88,6 +88,7 @@ def test_verify_with_real_vllm_engine(tmp_path):
 
 
 @pytest.mark.vllm
+@pytest.mark.slow  # (the docs example end to end; its pieces run in the default tier)
 def test_docs_trainer_example_runs(tmp_path):
     """The complete example in docs/trainer.md runs as written (vLLM rollout, replayed training step)."""
     if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("auxout.vllm") is None:

@@ -27,6 +27,7 @@ def _put_checkpoint(src: str, dst: Path) -> None:
     shutil.copytree(src, dst)
 
 
+@pytest.mark.slow  # (three engine starts; in-place syncs with new weights are in the default tier: test_weight_sync)
 def test_engine_restarted_on_new_weights_at_the_same_path_routes_them(tmp_path: Path) -> None:
     from auxout.testing.models import build_tiny_moe
 

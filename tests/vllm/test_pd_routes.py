@@ -216,6 +216,7 @@ def test_in_process_store_recomputes_external_kv_and_warns(model_path, kv_dir, p
         close_llm(engine)
 
 
+@pytest.mark.slow  # (a third engine start, restarted on the same store; P/D between two engines stays in the default tier)
 def test_restarted_engine_serves_old_prefixes_without_recompute(model_path, kv_dir, redis_url, oracle, decode):
     rng = np.random.default_rng(31)
     prompt = random_prompt(rng, 3 * BLOCK + 5)
