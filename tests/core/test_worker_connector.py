@@ -798,6 +798,29 @@ def test_many_requests_grow_slot_arrays() -> None:
     assert sorted(w.tracked_requests()) == sorted(ids)
 
 
+def test_request_slots_run_held_back_writes_before_any_cursor_access() -> None:
+    """A decode lane holds cursor and tail-row writes back (``SlotTable.defer_writes``): every
+    access to the cursors or tails runs them first, and freeing a slot with writes held fails."""
+    from auxout.connector.slot_table import SlotTable
+
+    table = SlotTable(4, block_size=BS)
+    s = table.new("a", 0)
+    flushed: list[int] = []
+
+    def flush() -> None:
+        flushed.append(s)
+        table.cursors[s] = (7, 7, 7)  # (the flush itself reads the cursors: nothing left to run)
+
+    for access in ("capture", "sched", "emit", "tail", "cursors"):
+        table.defer_writes(flush)
+        getattr(table, access)
+    assert flushed == [s] * 5
+    assert table.capture[s] == table.sched[s] == table.emit[s] == 7
+    table.defer_writes(flush)
+    with pytest.raises(AssertionError, match="leave it before freeing"):
+        table.free([s])
+
+
 def test_background_store_end_to_end_prefix_reuse() -> None:
     bg = BackgroundStore(ArenaStore(16 * OBJ, OBJ), max_pending=4)
     w = WorkerConnector(PROF, block_size=BS, store=bg, max_num_seqs=4, max_num_batched_tokens=32)
