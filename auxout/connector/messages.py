@@ -11,7 +11,7 @@ from auxout.stores.rows import StoreRows, join_rows
 
 _RAW_ROWS_BELOW = 1 << 16
 """A step's rows smaller than this are pickled as raw bytes (a decode step's: numpy's own array
-pickling costs more than the copy); larger ones as the array (``benchmarks/step_messages.py``)."""
+pickling costs more than the copy); larger ones as the array (``benchmarks/probes/step_messages.py``)."""
 
 _ARANGE = np.arange(1 << 14, dtype=np.int64)
 _ARANGE.flags.writeable = False  # (lo/hi of unpickled one-row steps are views of it: never written)
@@ -119,7 +119,7 @@ class StepOutput:
     def __getstate__(self) -> tuple:
         # Sent once per step between processes (the mp executor pickles it with the model
         # runner's output), and unpickled cold in the engine core, where each numpy call costs
-        # several microseconds (benchmarks/step_messages.py): the int columns go as one raw bytes
+        # several microseconds (benchmarks/probes/step_messages.py): the int columns go as one raw bytes
         # object, small rows as raw bytes (numpy's own array pickling costs more than the copy),
         # a builtin dtype as its string. A one-row step (the decode lane's) sends its token starts
         # as the list it has, and its columns are built only if read (``__getattr__``).

@@ -47,7 +47,7 @@ def row_ranges(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.n
 
 def check_counts(p: PendingStep, n_exec: np.ndarray, rejected: np.ndarray) -> None:
     """Every request executed a positive number of tokens and rejected at most that many."""
-    # np.count_nonzero, not .any(): a quarter of the cost on a step-sized array (numbers: docs/performance.md)
+    # np.count_nonzero, not .any(): a quarter of the cost on a step-sized array
     if not np.count_nonzero((n_exec <= 0) | (rejected < 0) | (rejected > n_exec)):
         return
     bad = n_exec <= 0

@@ -709,7 +709,7 @@ class WorkerConnector:
         hashes included: the same output and the same state after. None, with nothing done,
         when the step is not that one (a terminal event, another batch, a new generation); the
         caller then makes the three calls. Those re-check with numpy what the lane already knows; this
-        checks it once, with the plain lists the engine has (docs/performance.md). Arguments as
+        checks it once, with the plain lists the engine has. Arguments as
         for ``peek_lane_step``; ``rows`` must be C-contiguous (a snapshot is).
         """
         lane = self._lane_next(meta, req_ids, token_starts, query_start_loc, rows)

@@ -265,7 +265,7 @@ class AuxoutWorkerMixin:
 
         The worker process waits for its next step while the engine core takes this one's
         output and schedules; work done in that wait costs no throughput, work done before the
-        output is sent does (docs/performance.md). So for the decode lane's next step the
+        output is sent does (benchmarks/probes/idle_windows.py). So for the decode lane's next step the
         output is built from the snapshot alone (``WorkerConnector.peek_lane_step``) and sent;
         the connector's calls run right after the send (``_auxout_settle_sent``, from the
         executor's output hook), or at the latest before the worker's next call, and must
@@ -351,8 +351,8 @@ class AuxoutWorkerMixin:
 
         Runs after sampling when sampling follows the forward: nothing in the forward depends on
         the connector (capture only holds the routers' ids), and after the sampler, which runs
-        torch and numpy, this code finds them in cache; right after the forward it ran cold
-        (docs/performance.md). The routers' ids tensors and the batch's ``query_start_loc`` and
+        torch and numpy, this code finds them in cache; right after the forward it ran cold.
+        The routers' ids tensors and the batch's ``query_start_loc`` and
         ``num_computed_tokens_cpu`` stay as the forward left them until the next
         ``execute_model`` (vLLM's sampling and bookkeeping write neither).
         """
