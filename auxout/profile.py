@@ -98,8 +98,8 @@ def split_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
     return np.ascontiguousarray(rows["id"]), np.ascontiguousarray(rows["w"])
 
 
-def join_rows(ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """The structured rows of ``ids`` and their ``weights`` (same shape)."""
+def rows_with_weights(ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """The structured rows of ``ids`` and their ``weights`` (same shape): the inverse of :func:`split_rows`."""
     if ids.shape != weights.shape:
         raise ValueError(f"ids {ids.shape} and weights {weights.shape} must have the same shape")
     out = np.empty(ids.shape, dtype=route_dtype(ids.dtype, True))

@@ -12,10 +12,10 @@ from auxout.manifest import RouteManifest, fetch, fetch_rows, publish_manifest
 from auxout.profile import (
     RouteProfile,
     dtype_name,
-    join_rows,
     parse_dtype_name,
     rows_as_bytes,
     rows_from_bytes,
+    rows_with_weights,
     split_rows,
 )
 from auxout.stores import ArenaStore
@@ -30,7 +30,7 @@ def test_rows_round_trip_through_bytes_and_split(num_experts):
     rng = np.random.default_rng(0)
     ids = rng.integers(0, num_experts, (7, 3, 2)).astype(profile.id_dtype)
     w = rng.random((7, 3, 2), dtype=np.float32)
-    rows = join_rows(ids, w)
+    rows = rows_with_weights(ids, w)
     data = rows_as_bytes(rows)
     assert data.dtype == np.uint8 and data.shape == (7, 3, 2, profile.dtype.itemsize)
     back = rows_from_bytes(data[2:5])  # vLLM slices the row axis (stop strings): still rows
@@ -43,7 +43,7 @@ def test_rows_round_trip_through_bytes_and_split(num_experts):
     with pytest.raises(ValueError, match="not ids plus a float32 weight"):
         rows_from_bytes(np.zeros((1, 1, 1, 8), np.uint8))
     with pytest.raises(ValueError, match="same shape"):
-        join_rows(ids, w[:3])
+        rows_with_weights(ids, w[:3])
 
 
 def test_dtype_names_and_manifests_with_weights():

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from auxout.metrics import COUNTS
-from auxout.profile import has_weights, join_rows, split_rows
+from auxout.profile import has_weights, rows_with_weights, split_rows
 from auxout.vllm.caller.completion_fields import completion_field, structured
 from auxout.vllm.fields import (
     CHOICE_FACTS,
@@ -146,7 +146,7 @@ class ChoiceRows:
         if output.routed_experts is not None:  # finished: the whole array, from ``start``
             weights = getattr(output, WEIGHTS_OUTPUT, None)
             if weights is not None:
-                self.final = join_rows(output.routed_experts, weights)
+                self.final = rows_with_weights(output.routed_experts, weights)
             elif not self.weighted:  # (vLLM's output merging keeps the ids only: the chunks have all)
                 self.final = output.routed_experts
 
@@ -386,7 +386,7 @@ class RouteResponder:
             manifest = completion_field(output, res, MANIFEST_FIELD)
             rows, weights = output.routed_experts, getattr(output, WEIGHTS_OUTPUT, None)
             if rows is not None and weights is not None:
-                rows = join_rows(rows, weights)
+                rows = rows_with_weights(rows, weights)
             start, ids_start = getattr(res, "auxout_route_start", 0), getattr(res, "auxout_ids_start", None)
             fields = self.route_fields(rows, start, fmt, manifest, ids_start)
             fields.update(choice_facts(output, res))
