@@ -24,6 +24,9 @@ general commit below them; requests that cannot continue are cut out first
 - ``store_io``: publishing to the store and reading rows back (``StoreWriter``, ``StoreReader``),
 - ``pending_step``: a registered step and the cuts made on it,
 - ``staging``: the pool of *pool blocks* holding rows that cannot go to the store yet.
+
+What stays here (about 800 lines) is the step API and the three commit paths: they read and
+advance the same step and slot state, and each is checked against the general commit.
 """
 
 from __future__ import annotations
