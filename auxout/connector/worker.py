@@ -26,7 +26,8 @@ general commit below them; requests that cannot continue are cut out first
 - ``staging``: the pool of *pool blocks* holding rows that cannot go to the store yet.
 
 What stays here (about 800 lines) is the step API and the three commit paths: they read and
-advance the same step and slot state, and each is checked against the general commit.
+advance the same step and slot state (tests/core/test_sim_properties.py checks each against
+the full-forward oracle).
 """
 
 from __future__ import annotations
