@@ -65,6 +65,9 @@ COUNTERS: tuple[Counter, ...] = (
     Counter("store_hits", "Route objects read back and found", ("backend",), _each(BACKENDS)),
     Counter("store_misses", "Route objects read back and missing (evicted, expired, never written): the "
             "request recomputes", ("backend",), _each(BACKENDS)),
+    Counter("store_evictions", "Route objects the store evicted to make room (least recently used first; "
+            "arena and shm: auxout's own eviction; Redis and Mooncake evict on their servers, counted there)",
+            ("backend",), _each(BACKENDS)),
     Counter("store_errors", "Store operations that failed (unreachable, timed out, full): a read makes the "
             "request recompute, a write drops that batch", ("backend", "op"), _each(BACKENDS, ("read", "write"))),
     Counter("session_turns", "Session turns delivered (routed_experts_session)"),

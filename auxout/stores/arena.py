@@ -38,7 +38,7 @@ class ArenaStore:
         self._arena: np.ndarray | None = np.empty((self.num_slots, object_nbytes), dtype=np.uint8)
         self._lengths = np.zeros(self.num_slots, dtype=np.int64)
         self._short = 0  # slots whose recorded length is neither 0 nor object_nbytes (reads check lengths)
-        self._index = SlotIndex(self.num_slots, "route store (ArenaStore)", policy)
+        self._index = SlotIndex(self.num_slots, "route store (ArenaStore)", policy, backend="arena")
         self._lru = self._index.lru  # oldest first; value = slot (read by tests and metrics)
         self._lock = threading.Lock()
         # rows handed out uncopied (``read_rows``): the arena view each read made and its slots.

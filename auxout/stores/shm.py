@@ -220,7 +220,7 @@ class SharedMemoryStore:
         h[_H_OBJ], h[_H_SLOTS], h[_H_PID] = object_nbytes, self.num_slots, pid
         h[_H_START], h[_H_GEN], h[_H_CLOSED] = _proc_start_time(pid), 0, 0
         h[_H_MAGIC] = _MAGIC  # last: readers check it
-        self._slots = SlotIndex(self.num_slots, "shared-memory route store")
+        self._slots = SlotIndex(self.num_slots, "shared-memory route store", backend="shm")
         self._lock = threading.Lock()
         # unlink on normal interpreter exit too; SIGKILL leaves it for sweep_stale()
         self._finalizer = weakref.finalize(self, _unlink_quietly, self._path)

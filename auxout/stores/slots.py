@@ -17,6 +17,7 @@ from itertools import filterfalse, islice, repeat
 import numpy as np
 
 from auxout.errors import InvariantError, ObjectMissingError, StoreCapacityError
+from auxout.metrics import COUNTS
 from auxout.stores.base import BlockObjects, StoreObject, check_payload, drain, trusted_batch
 from auxout.stores.policy import EvictionPolicy
 
@@ -30,9 +31,10 @@ _JOIN_MIN = 64
 class SlotIndex:
     """Which key lives in which slot, who pins it, and what to evict; no payload bytes."""
 
-    def __init__(self, num_slots: int, owner: str, policy: EvictionPolicy | None = None) -> None:
+    def __init__(self, num_slots: int, owner: str, policy: EvictionPolicy | None = None, backend: str = "") -> None:
         self.num_slots = num_slots
         self.owner = owner
+        self.backend = backend  # the metrics label its evictions are counted under ("": not counted)
         self.policy = policy
         self.lru: OrderedDict[str, int] = OrderedDict()  # oldest first; value = slot
         self.refs: dict[str, int] = {}
@@ -299,6 +301,8 @@ class SlotIndex:
             )
         freed = [s for s in map(lru.pop, victims) if s != UNWRITTEN]
         self.lost.extend(victims)
+        if self.backend and victims:
+            COUNTS.add("store_evictions", len(victims), self.backend)
         if self.policy is not None:
             self.policy.on_remove(victims, "eviction")
         held = self.viewed(freed) if self.viewed is not None and freed else None

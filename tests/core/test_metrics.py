@@ -154,3 +154,33 @@ def test_engine_counts_store_hits_misses_and_recomputed_tokens() -> None:
         after["store_misses"] - before["store_misses"]
     )
     assert after["recomputed"] - before["recomputed"] == eng.scheduler.recomputed_tokens - recomputed > 0
+
+
+@given(st.integers(1, 6), st.lists(st.integers(0, 20), min_size=1, max_size=40))
+def test_evictions_are_counted_per_backend(capacity: int, writes: list[int]) -> None:
+    """Every object the store's own LRU drops to make room is counted once, under its backend;
+    a key written again while it is still stored is no new object (first write wins) but recent."""
+    from auxout.stores import SharedMemoryStore
+
+    nbytes = 8
+    for backend, store in (("arena", ArenaStore(capacity * nbytes, nbytes)),
+                           ("shm", SharedMemoryStore(capacity * nbytes, nbytes))):  # fmt: skip
+        try:
+            before = COUNTS.value("store_evictions", backend)
+            held: list[str] = []  # the model: stored keys, least recently used first
+            evicted = 0
+            for w in writes:
+                key = f"k{w}"
+                store.put([(key, bytes([w]) * nbytes)])
+                if key in held:  # already stored: first write wins, and it is used again
+                    held.remove(key)
+                    held.append(key)
+                    continue
+                held.append(key)
+                if len(held) > capacity:
+                    held.pop(0)
+                    evicted += 1
+            assert COUNTS.value("store_evictions", backend) - before == evicted
+            assert COUNTS.value("store_evictions", "redis") == 0  # (server-side evictions are not auxout's)
+        finally:
+            store.close()
