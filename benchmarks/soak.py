@@ -14,7 +14,9 @@ per token and layer).
 Prints: requests by outcome, wrong routes (must be 0), failed requests (5xx or a dead
 connection where none was asked for), the server's RSS over time (growth after warm-up must be
 < 5%), and p50/p99 latency of completed requests with routes on vs a plain vLLM server (same
-load, same seed, run afterwards for ``--off-duration``).
+load, same seed, run afterwards for ``--off-duration``). With routes on, ``--packed-share`` of the
+non-streamed completions ask ``routed_experts_format: packed`` (the rest ``npy``, decoded and checked
+the same way): their p50/p99 side by side, in one run.
 
     python benchmarks/soak.py [--duration 600] [--clients 8] [--off-duration 120] [--reset-every 30]
 """
@@ -40,6 +42,8 @@ from typing import Any
 
 import numpy as np
 
+from auxout.wire import decode_routes
+
 
 @dataclass
 class Tally:
@@ -47,17 +51,20 @@ class Tally:
 
     outcomes: Counter = field(default_factory=Counter)
     latencies: list[float] = field(default_factory=list)
+    by_format: dict[str, list[float]] = field(default_factory=dict)  # routes-on completions, by wire format
     failures: list[str] = field(default_factory=list)
     checked: int = 0
     wrong: int = 0
     ties: int = 0  # rows that differ only at a near-tie of router logits (see RouteChecker)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def add(self, outcome: str, latency: float | None = None, failure: str | None = None) -> None:
+    def add(self, outcome: str, latency: float | None = None, failure: str | None = None, fmt: str | None = None) -> None:
         with self.lock:
             self.outcomes[outcome] += 1
             if latency is not None:
                 self.latencies.append(latency)
+                if fmt is not None:
+                    self.by_format.setdefault(fmt, []).append(latency)
             if failure is not None and len(self.failures) < 50:
                 self.failures.append(failure)
 
@@ -279,6 +286,9 @@ def client_loop(
                 body.update(temperature=1.0, **({"seed": seed} if routes else {}))
             if routes and start:
                 body["routed_experts_prompt_start"] = start
+            fmt = "packed" if routes and rng.random() < args.packed_share else "npy"
+            if fmt == "packed":
+                body["routed_experts_format"] = "packed"
             t0 = time.perf_counter()
             try:
                 if kind == "disconnect":
@@ -317,7 +327,7 @@ def client_loop(
                 tally.add("failed", failure=f"{kind}: {r.status_code} {r.text[:300]}")
                 continue
             choice = r.json()["choices"][0]
-            tally.add(kind, latency=dt)
+            tally.add(kind, latency=dt, fmt=fmt if routes else None)
             out = list(choice["token_ids"])
             if kind == "greedy" or kind == "turn" or kind == "seeded":
                 history = (prompt + out) if rng.random() < 0.7 else []
@@ -327,7 +337,7 @@ def client_loop(
             if b64 is None:
                 tally.add("failed", failure=f"{kind}: no routes in a 200 answer")
                 continue
-            got = np.load(io.BytesIO(base64.b64decode(b64)))
+            got = decode_routes(choice) if fmt == "packed" else np.load(io.BytesIO(base64.b64decode(b64)))
             bad_rows, tie_rows, details = checker.wrong_rows(prompt + out, got, start)
             if bad_rows and args.dump is not None:
                 args.dump.mkdir(parents=True, exist_ok=True)
@@ -477,6 +487,11 @@ def report(name: str, tally: Tally, samples: list[tuple[float, dict[str, int]]],
     for f in tally.failures[:10]:
         print(f"     - {f}")
     print(f"   latency of completed requests: p50 {pct(tally.latencies, 50):.3f} s, p99 {pct(tally.latencies, 99):.3f} s")
+    if "packed" in tally.by_format and "npy" in tally.by_format:
+        npy, packed = tally.by_format["npy"], tally.by_format["packed"]
+        print(f"   non-streamed completions by route format: npy {len(npy)} (p50 {pct(npy, 50):.3f} s, p99 "
+              f"{pct(npy, 99):.3f} s), packed {len(packed)} (p50 {pct(packed, 50):.3f} s, p99 {pct(packed, 99):.3f} s); "
+              f"packed/npy p99 {pct(packed, 99) / pct(npy, 99):.3f} (target <= 1.1)")
     warm = [(t, r) for t, r in samples if t >= duration * 0.25]
     if len(warm) < 4:
         return None
@@ -509,6 +524,8 @@ def main() -> int:
         "--mix", default="greedy=25,seeded=15,turn=20,stream=15,disconnect=8,abort=8,bad=4",
         help="request kinds and their weights",
     )  # fmt: skip
+    p.add_argument("--packed-share", type=float, default=0.5,
+                   help="share of non-streamed completions asking routed_experts_format=packed (the rest npy)")
     p.add_argument("--reset-every", type=float, default=0, help="a weight sync (pause, reset, resume) every S seconds")
     p.add_argument("--dump", type=Path, default=None, help="write each mismatching answer here (JSON) to replay it")
     args = p.parse_args()
