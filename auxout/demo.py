@@ -79,9 +79,9 @@ def _warm_up(llm: Any) -> None:
 
 
 def _shutdown(llm: Any) -> None:
-    engine_core = getattr(llm.llm_engine, "engine_core", None)
-    if engine_core is not None and hasattr(engine_core, "shutdown"):
-        engine_core.shutdown()
+    from auxout.vllm.caller.engine import stop_engine
+
+    stop_engine(llm)
     del llm
     gc.collect()
 

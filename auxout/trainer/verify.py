@@ -131,6 +131,7 @@ def rollout_vllm(model_path: str, prompts: Sequence[np.ndarray], max_new_tokens:
     import vllm
 
     import auxout.vllm
+    from auxout.vllm.caller.engine import stop_engine
 
     longest = max(len(p) for p in prompts) + max_new_tokens
     llm = vllm.LLM(model=model_path, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, seed=seed,
@@ -140,11 +141,8 @@ def rollout_vllm(model_path: str, prompts: Sequence[np.ndarray], max_new_tokens:
     reqs: list[Any] = [vllm.TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
     try:
         res = llm.generate(reqs, sp, use_tqdm=False)
-    finally:  # now, not when the LLM is collected: at interpreter exit that can come after
-        # multiprocessing joins its children, and the engine-core process never exits
-        core = getattr(llm.llm_engine, "engine_core", None)
-        if core is not None and hasattr(core, "shutdown"):
-            core.shutdown()
+    finally:
+        stop_engine(llm)
     out: list[Rollout] = []
     for p, r in zip(prompts, res):
         c = r.outputs[0]

@@ -111,10 +111,9 @@ def _close(trainer, saved) -> None:
     import vllm.envs
     from vllm.distributed import parallel_state
 
-    llm = trainer.vllm_generation.llm
-    core = getattr(llm.llm_engine, "engine_core", None)
-    if core is not None and hasattr(core, "shutdown"):
-        core.shutdown()
+    from auxout.vllm.caller.engine import stop_engine
+
+    stop_engine(trainer.vllm_generation.llm)
     parallel_state.destroy_model_parallel()
     parallel_state.destroy_distributed_environment()
     vllm.envs.disable_envs_cache()

@@ -134,9 +134,9 @@ def close_llm(llm: Any) -> None:
     """Stop the engine-core process now (module teardown), not whenever the LLM is collected."""
     import gc
 
-    core = getattr(llm.llm_engine, "engine_core", None)
-    if core is not None and hasattr(core, "shutdown"):
-        core.shutdown()
+    from auxout.vllm.caller.engine import stop_engine
+
+    stop_engine(llm)
     gc.collect()
 
 
