@@ -104,15 +104,21 @@ class Oracle:
         tokens = list(prompt) + list(completion.token_ids)
         got = completion.routed_experts
         assert got is not None, "routes missing"
-        expected = self.routes(tokens)[prompt_start : len(tokens) - 1]
-        assert got.shape == expected.shape == (len(tokens) - 1 - prompt_start, *expected.shape[1:])
+        expected = self.check_rows(tokens, got, prompt_start)
+        assert got.shape == (len(tokens) - 1 - prompt_start, *expected.shape[1:])
         assert got.dtype == expected.dtype
-        # Top-k order inside a row is a kernel detail (vLLM's CPU top-k and transformers' differ);
-        # the selected expert set per (token, layer) must match exactly.
-        same = np.sort(got, axis=-1) == np.sort(expected, axis=-1)
-        bad = np.argwhere(~same.all(axis=-1))
-        assert bad.size == 0, f"{len(bad)} (token, layer) route mismatches, first at {bad[:5].tolist()}"
         return got
+
+    def check_rows(self, tokens: Sequence[int], rows: np.ndarray, start: int = 0, what: str = "") -> np.ndarray:
+        """Assert ``rows`` are the oracle's routes of ``tokens`` from position ``start`` (the last
+        token has none); return the oracle's. Top-k order inside a row is a kernel detail (vLLM's CPU
+        top-k and transformers' differ): the expert set per (token, layer) must match exactly."""
+        expected = self.routes(tokens)[start : len(tokens) - 1]
+        at = f"{what}: " if what else ""
+        assert rows.shape == expected.shape, f"{at}routes {rows.shape}, expected {expected.shape}"
+        bad = np.argwhere(~(np.sort(rows, axis=-1) == np.sort(expected, axis=-1)).all(axis=-1))
+        assert bad.size == 0, f"{at}{len(bad)} (token, layer) route mismatches, first at {bad[:5].tolist()}"
+        return expected
 
 
 def _hook_routes(model: Any, tokens: list[int]) -> np.ndarray:  # pragma: no cover

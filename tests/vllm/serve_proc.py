@@ -93,3 +93,33 @@ def auxout_servers(
         if failed:
             raise failed[0]
         yield [r for r in results if isinstance(r, tuple)]
+
+
+@contextmanager
+def vllm_router(args: Sequence[str], log: Path, *, timeout: float = 120) -> Iterator[str]:
+    """``vllm-router`` on a free port with ``args`` (workers and policy, or P/D mode); yields its URL
+    once ``/health`` answers, stops it on exit."""
+    import shutil
+
+    import httpx
+
+    binary = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
+    port = free_port()
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen([binary, "--host", "127.0.0.1", "--port", str(port), *args], stdout=fh,
+                                stderr=subprocess.STDOUT)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -37,12 +37,7 @@ def _example(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 def _assert_oracle(oracle: Oracle, sample: dict[str, Any], routes: np.ndarray, what: str) -> None:
-    tokens = sample["prompt_token_ids"] + sample["token_ids"]
-    want = oracle.routes(tokens)[: len(tokens) - 1]
-    assert routes.shape == want.shape, f"{what}: routes {routes.shape}, expected {want.shape}"
-    same = (np.sort(routes, axis=-1) == np.sort(want, axis=-1)).all(axis=-1)
-    bad = np.argwhere(~same)
-    assert bad.size == 0, f"{what}: {len(bad)} (token, layer) rows differ from the full forward, first {bad[:3].tolist()}"
+    oracle.check_rows(sample["prompt_token_ids"] + sample["token_ids"], routes, 0, what)
 
 
 def test_ray_actors_keys_only_routes_and_rolling_sync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
