@@ -240,6 +240,53 @@ def load_on_worker(worker: Any, payload: Any) -> dict[str, int]:
     return {"num_tensors": len(weights), "moe_layers_repacked": repacked_count() - before}
 
 
+def weights_from_path(path: str) -> dict[str, Any]:
+    """The tensors of a safetensors file, or of every ``*.safetensors`` file of a directory (what
+    ``save_pretrained`` writes), on the CPU; :class:`WeightSyncError` naming the path otherwise."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    root = Path(path)
+    if root.is_dir():
+        files = sorted(root.glob("*.safetensors"))
+        if not files:
+            raise WeightSyncError(f"weights_path {path!r}: a directory without *.safetensors files")
+    elif root.is_file():
+        files = [root]
+    else:
+        raise WeightSyncError(f"weights_path {path!r}: no such file or directory on this server")
+    tensors: dict[str, Any] = {}
+    for f in files:
+        try:
+            loaded = load_file(str(f), device="cpu")
+        except (SafetensorError, OSError) as exc:
+            raise WeightSyncError(f"weights_path {str(f)!r}: not a readable safetensors file ({exc})") from None
+        twice = sorted(set(loaded) & set(tensors))
+        if twice:
+            raise WeightSyncError(f"weights_path {path!r}: {twice[0]!r} is in more than one file")
+        tensors.update(loaded)
+    return tensors
+
+
+def load_path_on_worker(worker: Any, path: str) -> dict[str, Any]:
+    """Load the weights of ``path`` (:func:`weights_from_path`) into a worker's model in place:
+    named and checked against the checkpoint the engine loaded as :func:`update_weights` does,
+    then :func:`load_on_worker`. A refusal, before the model is touched, comes back as
+    ``{"error": message}`` (an RPC result the caller turns into a 400)."""
+    model_config = worker.vllm_config.model_config
+    try:
+        tensors = checkpoint_named(weights_from_path(path), model_config.hf_config)
+        if not tensors:
+            raise WeightSyncError(f"weights_path {path!r}: no tensors")
+        expected = checkpoint_shapes(str(model_config.model))
+        if expected is not None:
+            tied = bool(getattr(model_config.hf_config, "tie_word_embeddings", False))
+            tensors = check_against_checkpoint(tensors, expected, tied)
+    except WeightSyncError as exc:
+        return {"error": str(exc)}
+    return dict(load_on_worker(worker, list(tensors.items())))
+
+
 def _restore_after_failed_reload(worker: Any, model: Any) -> None:
     """After an exception inside a layerwise reload: finish it, so layers left on the meta
     device get their live tensors back (vLLM's finalize places them) and the engine keeps serving."""

@@ -56,6 +56,20 @@ def test_weights_lag_the_ids_after_a_turn_without_them() -> None:
     assert s.starts_for("a", [0, 1, 2, 7, 8, 9], w) == {"routed_experts": 4, "routing_weights": 3}
 
 
+def test_a_turn_under_other_weights_starts_at_zero() -> None:
+    """Rows computed with other weights are not the client's: every array from row 0; turns with the
+    weights the session was recorded with go on with deltas."""
+    s = SessionStore()
+    w = ("routing_weights",)
+    s.delivered("a", list(range(10)), arrays=w, weights_version="v1")
+    assert s.starts_for("a", list(range(14)), w, weights_version="v1") == {"routed_experts": 9, "routing_weights": 9}
+    assert s.starts_for("a", list(range(14)), w, weights_version="v2") == {"routed_experts": 0, "routing_weights": 0}
+    assert s.begin("a", list(range(14)), turn="t", weights_version="v2") == {"routed_experts": 0}
+    s.delivered("a", list(range(16)), start=0, turn="t", weights_version="v2")
+    assert s.start_for("a", list(range(20)), weights_version="v2") == 15
+    assert s.start_for("a", list(range(20)), weights_version="v1") == 0
+
+
 # -- the client's stitching rule, over random conversations -------------------------------------
 L, K, E = 2, 3, 64
 

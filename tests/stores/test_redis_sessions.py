@@ -24,8 +24,8 @@ def store(redis_srv, **kw) -> RedisSessionStore:  # type: ignore[no-untyped-def]
 
 
 @st.composite
-def turns(draw: st.DrawFn) -> list[tuple[str, str, list[int], bool, list[int], str]]:
-    """(session, how the prompt is made, new tokens, weights asked, output, outcome)."""
+def turns(draw: st.DrawFn) -> list[tuple[str, str, list[int], bool, list[int], str, str]]:
+    """(session, how the prompt is made, new tokens, weights asked, output, outcome, weights version)."""
     out = []
     for _ in range(draw(st.integers(1, 12))):
         out.append((
@@ -35,6 +35,7 @@ def turns(draw: st.DrawFn) -> list[tuple[str, str, list[int], bool, list[int], s
             draw(st.booleans()),
             draw(st.lists(st.integers(0, 9), min_size=1, max_size=4)),
             draw(st.sampled_from(["delivered", "delivered", "delivered", "released"])),
+            draw(st.sampled_from(["v1", "v1", "v2"])),
         ))  # fmt: skip
     return out
 
@@ -43,29 +44,36 @@ def turns(draw: st.DrawFn) -> list[tuple[str, str, list[int], bool, list[int], s
 @given(turns(), st.randoms(use_true_random=False))
 def test_answers_equal_the_in_memory_store(redis_srv, steps, rnd) -> None:  # type: ignore[no-untyped-def]
     """Any sequence of turns (extended, rewritten, other conversations, failed turns, weights on
-    and off, two sessions interleaved): every start equals the in-memory store's."""
+    and off, two sessions interleaved, turns under two weights versions): every start equals the
+    in-memory store's."""
     shared, local = store(redis_srv), SessionStore()
     history: dict[str, list[int]] = {"a": [], "b": []}
-    for i, (sid, how, new, weights, out, outcome) in enumerate(steps):
+    for i, (sid, how, new, weights, out, outcome, wv) in enumerate(steps):
         h = history[sid]
         prompt = (h + new if how == "extend" else h[: rnd.randint(0, len(h))] + [t + 10 for t in new]
                   if how == "rewrite" else [t + 20 for t in new] if how == "other" else h[:] or new)  # fmt: skip
         arrays = W if weights else ()
         turn = f"t{i}"
-        got, want = shared.begin(sid, prompt, arrays, turn=turn), local.begin(sid, prompt, arrays, turn=turn)
-        assert got == want
-        assert shared.starts_for(sid, prompt, arrays) == local.starts_for(sid, prompt, arrays)
+        got = shared.begin(sid, prompt, arrays, turn=turn, weights_version=wv)
+        assert got == local.begin(sid, prompt, arrays, turn=turn, weights_version=wv)
+        for v in ("v1", "v2"):
+            assert shared.starts_for(sid, prompt, arrays, weights_version=v) == local.starts_for(
+                sid, prompt, arrays, weights_version=v
+            )
         if outcome == "released":
             shared.release(sid, turn)
             local.release(sid, turn)
             continue
         start = got["routed_experts"]
-        shared.delivered(sid, prompt + out, start=start, arrays=arrays, turn=turn)
-        local.delivered(sid, prompt + out, start=start, arrays=arrays, turn=turn)
+        shared.delivered(sid, prompt + out, start=start, arrays=arrays, turn=turn, weights_version=wv)
+        local.delivered(sid, prompt + out, start=start, arrays=arrays, turn=turn, weights_version=wv)
         history[sid] = prompt + out
     for sid in ("a", "b"):
         probe = history[sid] + [1]
-        assert shared.starts_for(sid, probe, W) == local.starts_for(sid, probe, W)
+        for v in ("v1", "v2"):
+            assert shared.starts_for(sid, probe, W, weights_version=v) == local.starts_for(
+                sid, probe, W, weights_version=v
+            )
     shared.close()
 
 

@@ -55,7 +55,8 @@ def fleet(model_path: str, tmp_path_factory: pytest.TempPathFactory):
             "--auxout-store", "redis", "--auxout-store-options", json.dumps(store), "--auxout-namespace", "fleet",
             "--auxout-session-store", "redis",
         ]  # fmt: skip
-        specs = [(args, logs / f"replica{i}.log", {"VLLM_CPU_OMP_THREADS_BIND": str(i)}) for i in range(2)]
+        env = {"VLLM_SERVER_DEV_MODE": "1"}  # (POST /auxout/update_weights, as vLLM's own RL endpoints)
+        specs = [(args, logs / f"replica{i}.log", {**env, "VLLM_CPU_OMP_THREADS_BIND": str(i)}) for i in range(2)]
         with auxout_servers(model_path, specs) as started:
             (a, _), (b, _) = started
             with router([a, b], "round_robin", logs / "router.log") as url:
@@ -199,16 +200,17 @@ class Client:
         self.held = np.zeros((0, 2, 4), np.uint8)
         self.tokens: list[int] = []
 
-    def take(self, response: httpx.Response) -> int:
+    def take(self, response: httpx.Response, *, restarted: bool = False) -> int:
         """Stitch a response's rows (keep ``[0, start)``, append); returns its start. The rows must
-        start where the client's rows stop being valid for the new prompt, and the stitched rows
-        must equal the full forward of the whole conversation."""
+        start where the client's rows stop being valid for the new prompt (``restarted``: at 0, the
+        turn runs other weights than the rows held), and the stitched rows must equal the full
+        forward of the whole conversation."""
         assert response.status_code == 200, response.text
         data = response.json()
         choice = data["choices"][0]
         prompt = list(data["prompt_token_ids"])
         start = choice["routed_experts_start"]
-        expected = min(common_prefix_len(np.array(self.tokens), np.array(prompt)), len(self.held))
+        expected = 0 if restarted else min(common_prefix_len(np.array(self.tokens), np.array(prompt)), len(self.held))
         assert start == expected, (start, expected)
         self.tokens = prompt + list(choice["token_ids"])
         self.held = np.concatenate([self.held[:start], decode_routes(choice)])
@@ -307,3 +309,87 @@ def test_header_policies(fleet, tmp_path):
                      {"X-Session-Id": "pinned"})  # fmt: skip
         assert plain.status_code == 200 and plain.json()["choices"][0]["routed_experts_start"] == 0
         assert plain.headers.get("x-session-id") == "pinned"
+
+
+def version_of(base: str) -> str:
+    r = httpx.get(base + "/auxout/weights_version", timeout=60)
+    assert r.status_code == 200, r.text
+    return str(r.json()["weights_version"])
+
+
+def test_a_rolling_weight_sync_over_http(fleet, oracle, model_path, tmp_path):
+    """``POST /auxout/update_weights`` to one replica, later to the other, on one shared store: each
+    replica's routes equal the full forward of the weights it runs, never the other's; a session turn
+    in flight finishes on the weights it began with; a session restarts at 0 whenever its turn runs
+    other weights than its rows, and goes on with deltas once both replicas run the same weights.
+    (Last in the module: the replicas keep the new weights.)"""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from weight_sync_helpers import Trainer
+
+    trainer = Trainer(model_path)
+    trainer.step(3)
+    new = Oracle(trainer.save(tmp_path / "new"))
+    old_version = version_of(fleet.a)
+    assert old_version and version_of(fleet.b) == old_version  # (same weights: the same version)
+    for body, field in (({"weights_path": str(tmp_path / "missing")}, "weights_path"), ({"weights_path": 3}, "weights_path"),
+                        ({"weights_path": str(tmp_path / "new"), "drain_timeout": -1}, "drain_timeout"),
+                        ({"weights": "x"}, "weights")):  # fmt: skip
+        r = post(fleet.a, "/auxout/update_weights", body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (body, r.text)
+    assert version_of(fleet.a) == old_version  # (refused: nothing loaded)
+
+    client = Client(oracle)
+    messages = [{"role": "user", "content": "Describe the tides."}]
+    client.take(chat(fleet.a, messages, "rolling"))
+    # a streamed session turn in flight on replica a while a is synced
+    rng = np.random.default_rng(5)
+    prompt = random_prompt(rng, 40)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 48, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "routed_experts_session": "in-flight", "stream": True}  # fmt: skip
+    rows, output = [], []
+    with ThreadPoolExecutor(1) as pool, httpx.stream("POST", fleet.a + "/v1/completions", json=body, timeout=300) as s:
+        sync = None
+        for line in s.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            output += choice.get("token_ids") or []
+            if choice.get("routed_experts") is not None:
+                rows.append(decode_routes(choice))
+            if sync is None:  # (the turn holds its session now)
+                sync = pool.submit(post, fleet.a, "/auxout/update_weights", {"weights_path": str(tmp_path / "new")})
+        assert sync is not None
+        synced = sync.result()
+    assert synced.status_code == 200, synced.text
+    check(oracle, prompt + output, np.concatenate(rows), 0)  # all of it on the weights it began with
+    new_version = synced.json()["weights_version"]
+    assert new_version != old_version and version_of(fleet.a) == new_version and version_of(fleet.b) == old_version
+
+    # mid-sync: the same prompts on both replicas, each its own weights' routes, through one store
+    changed = 0
+    for n in (30, 70):
+        p = random_prompt(rng, n)
+        on_new, on_old = completion(fleet.a, p), completion(fleet.b, p)
+        a_rows, b_rows = decode_routes(on_new), decode_routes(on_old)
+        new.check_rows(p + on_new["token_ids"], a_rows, 0, "replica a (synced)")
+        oracle.check_rows(p + on_old["token_ids"], b_rows, 0, "replica b (not yet synced)")
+        changed += int((np.sort(a_rows[: n - 1], -1) != np.sort(b_rows[: n - 1], -1)).any(-1).sum())
+    assert changed > 0, "the new weights route some prompt token differently (else the test proves nothing)"
+
+    def turn(base: str, forward: Oracle, restarted: bool) -> int:
+        client.oracle = forward
+        r = chat(base, messages, "rolling")
+        start = client.take(r, restarted=restarted)
+        messages.extend([{"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]},
+                         {"role": "user", "content": "And then?"}])  # fmt: skip
+        return start
+
+    messages.extend([{"role": "assistant", "content": "Tides follow the moon."}, {"role": "user", "content": "Why?"}])
+    turn(fleet.a, new, restarted=True)  # rows held are of the old weights: all rows again
+    assert turn(fleet.a, new, restarted=False) > 0  # same weights: a delta
+    turn(fleet.b, oracle, restarted=True)  # back on old weights
+    r = post(fleet.b, "/auxout/update_weights", {"weights_path": str(tmp_path / "new" / "model.safetensors")})
+    assert r.status_code == 200 and r.json()["weights_version"] == new_version, r.text  # (the same weights)
+    turn(fleet.b, new, restarted=True)  # its rows were of the old weights
+    assert turn(fleet.a, new, restarted=False) > 0  # both on the new weights: deltas across replicas

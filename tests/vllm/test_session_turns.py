@@ -23,6 +23,7 @@ from auxout.vllm.options import VllmOptions
 from auxout.vllm.server.redis_sessions import RedisSessionStore
 from auxout.vllm.server.responses import RouteResponder
 from auxout.vllm.server.sessions import SessionStore
+from auxout.vllm.server.weights_version import LOAD_PATH_METHOD, VERSION_METHOD, SyncError
 
 pytestmark = pytest.mark.vllm
 
@@ -53,9 +54,41 @@ def engine(out_ids: list[int], gate: asyncio.Event | None = None, fail: bool = F
     return generate
 
 
-async def run(responder: RouteResponder, generate: Any, session: str, prompt: list[int], rid: str) -> list[Any]:
+class Client:
+    """The engine client calls a weight sync makes (``AsyncLLM``'s), in order; weights named by a version."""
+
+    def __init__(self, version: str = "v1") -> None:
+        self.version = version
+        self.events: list[str] = []
+        self.refuse: str | None = None
+
+    async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (), kwargs: Any = None) -> Any:
+        if method == VERSION_METHOD:
+            return [self.version]
+        assert method == LOAD_PATH_METHOD and args == ("/weights",)
+        self.events.append("load")
+        if self.refuse is not None:
+            return [{"error": self.refuse}]
+        self.version = "v2"
+        return [{"num_tensors": 3, "moe_layers_repacked": 1}]
+
+    async def pause_generation(self, mode: str, clear_cache: bool) -> None:
+        assert mode == "wait"
+        self.events.append("pause")
+
+    async def reset_prefix_cache(self) -> bool:
+        self.events.append("reset")
+        return True
+
+    async def resume_generation(self) -> None:
+        self.events.append("resume")
+
+
+async def run(responder: RouteResponder, generate: Any, session: str, prompt: list[int], rid: str,
+              client: Any = None) -> list[Any]:  # fmt: skip
     sp = params(session)
-    outs = [o async for o in responder.generate(SimpleNamespace(), generate, {"prompt_token_ids": prompt}, sp, rid)]
+    client = SimpleNamespace() if client is None else client
+    outs = [o async for o in responder.generate(client, generate, {"prompt_token_ids": prompt}, sp, rid)]
     return outs
 
 
@@ -112,3 +145,47 @@ def test_an_unreachable_session_store_sends_the_whole_history(caplog) -> None:  
     outs = asyncio.run(run(responder, engine([1, 2]), "s", PROMPT, "r1"))
     assert outs[-1].auxout_route_start == 0 and outs[-1].outputs[0].routed_experts.shape[0] == len(PROMPT) + 1
     assert "could not claim a session" in caplog.text and "sends the whole history" in caplog.text
+
+
+def test_a_weight_sync_waits_for_session_turns_and_the_next_turn_restarts(sessions) -> None:  # type: ignore[no-untyped-def]
+    """A sync waits for the session turn in flight, a turn arriving meanwhile waits for the sync,
+    and runs under the new weights from row 0; the turn after it has deltas again."""
+    responder = RouteResponder(VllmOptions(), sessions=sessions)
+    client = Client()
+
+    async def scenario() -> None:
+        gate = asyncio.Event()
+        first = asyncio.ensure_future(run(responder, engine([1, 2, 3], gate), "s", PROMPT, "r1", client))
+        await asyncio.sleep(0.1)
+        sync = asyncio.ensure_future(responder.weights_version.sync(client, "/weights"))
+        await asyncio.sleep(0.1)
+        assert not sync.done() and client.events == []  # (the turn in flight runs on the old weights)
+        late = asyncio.ensure_future(run(responder, engine([4]), "s", [*PROMPT, 1, 2, 3, 9], "r2", client))
+        await asyncio.sleep(0.1)
+        assert not late.done()
+        gate.set()
+        assert (await first)[-1].auxout_route_start == 0
+        result = await sync
+        assert client.events == ["pause", "load", "reset", "resume"]
+        assert result["weights_version"] == "v2" and result["num_tensors"] == 3
+        assert (await late)[-1].auxout_route_start == 0  # the client's rows came from v1: all rows again
+        nxt = await run(responder, engine([5]), "s", [*PROMPT, 1, 2, 3, 9, 4, 8], "r3", client)
+        assert nxt[-1].auxout_route_start == len(PROMPT) + 4  # same weights: deltas again
+
+    asyncio.run(scenario())
+
+
+def test_a_refused_sync_touches_nothing_and_the_session_goes_on(sessions) -> None:  # type: ignore[no-untyped-def]
+    responder = RouteResponder(VllmOptions(), sessions=sessions)
+    client = Client()
+    client.refuse = "weights: 'x' not in the engine's checkpoint"
+
+    async def scenario() -> None:
+        await run(responder, engine([1, 2]), "s", PROMPT, "r1", client)
+        with pytest.raises(SyncError, match="not in the engine's checkpoint") as info:
+            await responder.weights_version.sync(client, "/weights")
+        assert info.value.status == 400 and client.events == ["pause", "load", "resume"]  # no reset
+        outs = await run(responder, engine([3]), "s", [*PROMPT, 1, 2, 7], "r2", client)
+        assert outs[-1].auxout_route_start == len(PROMPT) + 1
+
+    asyncio.run(scenario())

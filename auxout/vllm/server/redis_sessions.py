@@ -5,7 +5,8 @@ The same interface as :class:`auxout.vllm.server.sessions.SessionStore` (``start
 changes is where a session lives:
 
 - one Redis hash per session (``tok``: the delivered tokens as little-endian int32, ``rows``:
-  the other arrays' rows as JSON, ``ver``: how many turns were recorded, and while a turn is in
+  the other arrays' rows as JSON, ``wv``: the weights version the rows were computed with, ``ver``:
+  how many turns were recorded, and while a turn is in
   flight ``turn``/``until``: its claim and lease deadline, in the Redis server's clock);
 - ``begin`` claims the session in one Lua script (a turn of another claim still in its lease gets
   :class:`~auxout.vllm.server.sessions.SessionBusyError`); ``delivered`` records the turn in one Lua script
@@ -43,7 +44,7 @@ DEFAULT_TTL = 3600.0
 _NOW = "local t = redis.call('TIME') local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) "
 
 _BEGIN = _NOW + """
-local f = redis.call('HMGET', KEYS[1], 'turn', 'until', 'tok', 'rows', 'ver')
+local f = redis.call('HMGET', KEYS[1], 'turn', 'until', 'tok', 'rows', 'ver', 'wv')
 if f[1] and f[1] ~= ARGV[1] and tonumber(f[2]) > now then
   return {0, tostring(tonumber(f[2]) - now)}
 end
@@ -54,7 +55,7 @@ if f[3] then
 else
   redis.call('PEXPIRE', KEYS[1], lease)
 end
-return {1, f[3] or '', f[4] or '', f[5] or '0'}
+return {1, f[3] or '', f[4] or '', f[5] or '0', f[6] or ''}
 """
 
 _DROP = """
@@ -85,7 +86,7 @@ if tonumber(ARGV[5]) < 0 then
   redis.call('SET', KEYS[4], total)
   return ver
 end
-redis.call('HSET', KEYS[1], 'tok', ARGV[3], 'rows', ARGV[4], 'ver', ver + 1)
+redis.call('HSET', KEYS[1], 'tok', ARGV[3], 'rows', ARGV[4], 'ver', ver + 1, 'wv', ARGV[11])
 redis.call('HDEL', KEYS[1], 'turn', 'until')
 redis.call('PEXPIRE', KEYS[1], ttl)
 redis.call('ZADD', KEYS[2], now, ARGV[9])
@@ -185,28 +186,30 @@ class RedisSessionStore:
         tokens = np.frombuffer(tok, dtype="<i4").astype(np.int64)
         return tokens, ({str(k): int(v) for k, v in json.loads(rows).items()} if rows else {})
 
-    def starts_for(self, session: str, prompt: Sequence[int], arrays: Collection[str] = ()) -> dict[str, int]:
+    def starts_for(self, session: str, prompt: Sequence[int], arrays: Collection[str] = (), *,
+                   weights_version: str = "") -> dict[str, int]:  # fmt: skip
         """Per array, the first row this session's client lacks for ``prompt`` (no claim)."""
-        tok, rows = self._call("read a session", self._client.hmget, self._key(session), "tok", "rows")
+        tok, rows, wv = self._call("read a session", self._client.hmget, self._key(session), "tok", "rows", "wv")
         if tok is None:
             return {ROUTES: 0, **dict.fromkeys(arrays, 0)}
         tokens, held = self._state(tok, rows or b"")
-        return starts_from(tokens, held, prompt, arrays)
+        return starts_from(tokens, held, prompt, arrays, (wv or b"").decode() == weights_version)
 
-    def begin(self, session: str, prompt: Sequence[int], arrays: Collection[str] = (), *, turn: str) -> dict[str, int]:
+    def begin(self, session: str, prompt: Sequence[int], arrays: Collection[str] = (), *, turn: str,
+              weights_version: str = "") -> dict[str, int]:  # fmt: skip
         """``starts_for``, claiming the session for ``turn`` (``SessionBusyError`` while another
         turn holds it), atomically on the Redis server."""
         reply = self._call("claim a session", self._begin, keys=[self._key(session)],
                            args=[turn, int(self.turn_lease * 1000), int(self.ttl * 1000)])  # fmt: skip
         if int(reply[0]) == 0:
             raise SessionBusyError(session, int(reply[1]) / 1000)
-        tok, rows, ver = reply[1], reply[2], int(reply[3])
+        tok, rows, ver, wv = reply[1], reply[2], int(reply[3]), reply[4]
         tokens, held = self._state(tok, rows) if tok else (np.zeros(0, np.int64), {})
         with self._lock:
             self._seen[turn] = {"ver": ver, "rows": held}
         if not tok:
             return {ROUTES: 0, **dict.fromkeys(arrays, 0)}
-        return starts_from(tokens, held, prompt, arrays)
+        return starts_from(tokens, held, prompt, arrays, (wv or b"").decode() == weights_version)
 
     def release(self, session: str, turn: str) -> None:
         """End ``turn``'s claim without advancing the session."""
@@ -216,7 +219,7 @@ class RedisSessionStore:
 
     def delivered(
         self, session: str, tokens: Sequence[int], *, start: int = 0, arrays: Collection[str] = (),
-        turn: str | None = None,
+        turn: str | None = None, weights_version: str = "",
     ) -> None:  # fmt: skip
         """Record a finished turn (as ``SessionStore.delivered``): only while ``turn``'s claim holds,
         or nobody advanced the session since ``begin``; ``turn=None`` records unconditionally."""
@@ -234,13 +237,13 @@ class RedisSessionStore:
         rows = rows_after(held, len(tokens), start, arrays)
         self._call("record a session turn", self._commit, keys=[self._key(session), *self._index], args=[
             turn or "", ver_seen, packed if keep else b"", json.dumps(rows), len(tokens) if keep else -1,
-            int(self.ttl * 1000), self.max_sessions, self.max_tokens, session, self._prefix + "s:",
+            int(self.ttl * 1000), self.max_sessions, self.max_tokens, session, self._prefix + "s:", weights_version,
         ])  # fmt: skip
 
     def forget(self, session: str) -> None:
         self._call("forget a session", self._commit, keys=[self._key(session), *self._index], args=[
             "", 0, b"", "{}", -1, int(self.ttl * 1000), self.max_sessions, self.max_tokens, session,
-            self._prefix + "s:",
+            self._prefix + "s:", "",
         ])  # fmt: skip
 
     def __len__(self) -> int:

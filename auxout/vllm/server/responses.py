@@ -63,6 +63,7 @@ from auxout.vllm.fields import (
 from auxout.vllm.options import SHARED_STORES, VllmOptions
 from auxout.vllm.server.redis_sessions import SessionStoreError
 from auxout.vllm.server.sessions import RouteSessions, SessionBusyError, SessionStore
+from auxout.vllm.server.weights_version import WeightsVersion
 from auxout.wire import DEFAULT_FORMAT, FORMATS, encode
 
 logger = logging.getLogger("vllm.auxout")  # under vLLM's logger: its handlers and format
@@ -184,6 +185,7 @@ class RouteResponder:
         # (in memory by default; auxout.vllm.server.redis_sessions.RedisSessionStore shares sessions across replicas)
         self.sessions: RouteSessions = sessions if sessions is not None else SessionStore(max_sessions, max_session_tokens)
         self.num_experts: int | None = None
+        self.weights_version = WeightsVersion()  # (session turns follow it: auxout.vllm.server.weights_version)
 
     # -- request side -------------------------------------------------------------------------
     def checked_params(self, request: Any, params: Any) -> Any:
@@ -247,38 +249,50 @@ class RouteResponder:
         arrays = (WEIGHTS_OUTPUT,) if fields.get("weights") else ()
         ids_start = None  # (a session turn: the ids' own start, when the weights start earlier)
         turn = None  # (the session claim this request holds: request_id, until recorded or released)
+        version = None  # (a session turn: the weights version it runs, held until it ends)
         if session is not None and prompt_ids is not None:
-            starts, turn = await self._begin_turn(session, prompt_ids, arrays, request_id)
+            version = await self.weights_version.enter_turn(engine)
+            try:
+                starts, turn = await self._begin_turn(session, prompt_ids, arrays, request_id, version)
+            except BaseException:
+                self.weights_version.leave_turn()
+                raise
             ids_start = starts[ROUTES]
             # the engine returns rows from the earliest start any array needs; the ids skip the rest
             sampling_params.routed_experts_prompt_start = min(starts.values())
         start = int(getattr(sampling_params, PROMPT_START, 0) or 0)
         outputs = self._generate_turn(engine, original, prompt, sampling_params, request_id, args, kwargs,
-                                      session, turn, prompt_ids, arrays, start, ids_start)  # fmt: skip
+                                      session, turn, prompt_ids, arrays, start, ids_start, version or "")  # fmt: skip
         try:
             async for out in outputs:
                 if turn is not None and getattr(out, "auxout_turn_recorded", False):
                     turn = None
                 yield out
         finally:
-            await outputs.aclose()  # (a client gone: vLLM's generator aborts the request on close)
-            if turn is not None:  # (failed, aborted or disconnected: the session stays where it was)
-                await self._session_call("release", self.sessions.release, session, turn)
+            try:
+                await outputs.aclose()  # (a client gone: vLLM's generator aborts the request on close)
+                if turn is not None:  # (failed, aborted or disconnected: the session stays where it was)
+                    await self._session_call("release", self.sessions.release, session, turn)
+            finally:
+                if version is not None:
+                    self.weights_version.leave_turn()
 
     async def _begin_turn(self, session: str, prompt_ids: list[int], arrays: tuple[str, ...],
-                          turn: str) -> tuple[dict[str, int], str | None]:  # fmt: skip
+                          turn: str, version: str) -> tuple[dict[str, int], str | None]:  # fmt: skip
         """Claim ``session`` for this turn: its starts per array, and the claim (None when the
         session store cannot be reached: the turn then starts at 0, the whole history, and is
-        not recorded). Another turn of the session in flight: HTTP 409."""
+        not recorded). Another turn of the session in flight: HTTP 409. ``version``: the weights
+        version the turn runs (a session recorded with another starts at 0)."""
         from http import HTTPStatus
 
         from vllm.exceptions import GracefulHTTPError
 
         try:
             if getattr(self.sessions, "remote", False):
-                starts = await asyncio.to_thread(self.sessions.begin, session, prompt_ids, arrays, turn=turn)
+                starts = await asyncio.to_thread(self.sessions.begin, session, prompt_ids, arrays, turn=turn,
+                                                 weights_version=version)  # fmt: skip
             else:
-                starts = self.sessions.begin(session, prompt_ids, arrays, turn=turn)
+                starts = self.sessions.begin(session, prompt_ids, arrays, turn=turn, weights_version=version)
         except SessionBusyError as exc:
             COUNTS.add("session_conflicts")
             raise GracefulHTTPError(str(exc), HTTPStatus.CONFLICT) from None
@@ -303,7 +317,8 @@ class RouteResponder:
     async def _generate_turn(self, engine: Any, original: Callable[..., AsyncIterator[Any]], prompt: Any,
                              sampling_params: Any, request_id: str, args: tuple[Any, ...], kwargs: dict[str, Any],
                              session: str | None, turn: str | None, prompt_ids: list[int] | None,
-                             arrays: tuple[str, ...], start: int, ids_start: int | None) -> AsyncGenerator[Any, None]:  # fmt: skip
+                             arrays: tuple[str, ...], start: int, ids_start: int | None,
+                             version: str) -> AsyncGenerator[Any, None]:  # fmt: skip
         output_ids: list[int] = []
         delivered = False
         async for out in original(engine, prompt, sampling_params, request_id, *args, **kwargs):
@@ -327,7 +342,7 @@ class RouteResponder:
                     if turn is not None:
                         await self._session_call("record", self.sessions.delivered, session,
                                                  [*prompt_ids, *output_ids], start=turn_start, arrays=arrays,
-                                                 turn=turn)  # fmt: skip
+                                                 turn=turn, weights_version=version)  # fmt: skip
                         out.auxout_turn_recorded = True  # (recorded or not, the claim is over)
                     COUNTS.add("session_turns")
                     COUNTS.add("session_rows_saved", turn_start)

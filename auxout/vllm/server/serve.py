@@ -7,7 +7,8 @@ options. ``/v1/completions`` and ``/v1/chat/completions`` then return
 streamed or not, and accept ``routed_experts_prompt_start``, ``routed_experts_format``,
 ``routed_experts_session``, ``return_routing_weights`` and ``vllm_xargs: {"return_routed_experts":
 false}`` (every field: :mod:`auxout.vllm.fields`; how they are served:
-:mod:`auxout.vllm.server.responses`).
+:mod:`auxout.vllm.server.responses`). With ``VLLM_SERVER_DEV_MODE=1``, ``POST /auxout/update_weights``
+syncs new weights in place (:mod:`auxout.vllm.server.weights_version`).
 
 Every :class:`~auxout.vllm.options.VllmOptions` field is reachable, from three
 sources that must agree: ``AUXOUT_VLLM_OPTIONS`` (JSON), the ``"auxout"`` section of the user's
@@ -368,8 +369,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         except SessionStoreError as exc:  # (turns start at 0 until it answers: never wrong, only larger)
             print(f"auxout serve: warning: {exc}; session turns send the whole history until it answers",
                   file=sys.stderr)  # fmt: skip
-    http_routes.install(ours.options, max_sessions=ours.auxout_max_sessions,
-                        max_session_tokens=ours.auxout_max_session_tokens, sessions=sessions)  # fmt: skip
+    responder = http_routes.install(ours.options, max_sessions=ours.auxout_max_sessions,
+                                    max_session_tokens=ours.auxout_max_session_tokens, sessions=sessions)  # fmt: skip
+    from auxout.vllm.server import weights_version
+
+    weights_version.install(responder.weights_version)  # (and POST /auxout/update_weights in dev mode)
     install_startup_checks()
     from auxout.metrics import serve_metrics
 

@@ -29,6 +29,11 @@ Semantics a client relies on:
   finishes (``delivered``) or fails (``release``); another turn of the same session meanwhile
   is refused with :class:`SessionBusyError` (HTTP 409), since it could only be answered from
   rows the first response has not delivered yet. Branches need their own ids;
+- a session remembers the weights its rows were computed with (``weights_version``: a digest
+  of the weights the server runs, :mod:`auxout.vllm.server.weights_version`); a turn served with other
+  weights (after a weight sync, or on a replica not yet synced) starts at 0: the client's rows of
+  the history came from the other weights and are replaced whole. Turns with the same weights,
+  on any replica, go on with deltas;
 - this store lives in one API-server process; :class:`auxout.vllm.server.redis_sessions.RedisSessionStore`
   has the same interface over a Redis every replica shares (any replica serves any turn).
 """
@@ -79,12 +84,14 @@ class RouteSessions(Protocol):
     """What the server needs of a session store (in memory: ``SessionStore``; shared by replicas:
     ``auxout.vllm.server.redis_sessions.RedisSessionStore``)."""
 
-    def starts_for(self, session: str, prompt: Sequence[int], arrays: Collection[str] = ()) -> dict[str, int]: ...
+    def starts_for(self, session: str, prompt: Sequence[int], arrays: Collection[str] = (), *,
+                   weights_version: str = "") -> dict[str, int]: ...  # fmt: skip
 
-    def begin(self, session: str, prompt: Sequence[int], arrays: Collection[str] = (), *, turn: str) -> dict[str, int]: ...
+    def begin(self, session: str, prompt: Sequence[int], arrays: Collection[str] = (), *, turn: str,
+              weights_version: str = "") -> dict[str, int]: ...  # fmt: skip
 
     def delivered(self, session: str, tokens: Sequence[int], *, start: int = 0, arrays: Collection[str] = (),
-                  turn: str | None = None) -> None: ...  # fmt: skip
+                  turn: str | None = None, weights_version: str = "") -> None: ...  # fmt: skip
 
     def release(self, session: str, turn: str) -> None: ...
 
@@ -92,10 +99,13 @@ class RouteSessions(Protocol):
 
 
 def starts_from(delivered: np.ndarray, rows: Mapping[str, int], prompt: Sequence[int],
-                arrays: Collection[str]) -> dict[str, int]:  # fmt: skip
+                arrays: Collection[str], same_weights: bool = True) -> dict[str, int]:  # fmt: skip
     """Per array, the first row a client holding ``delivered`` (and ``rows`` of other arrays) lacks
     for ``prompt``: the ids where the history differs or the delivered rows end; another array's
-    never later, and earlier where the client's rows of it end."""
+    never later, and earlier where the client's rows of it end. Rows of other weights
+    (``same_weights`` false) are none of the turn's: every array starts at 0."""
+    if not same_weights:
+        return {ROUTES: 0, **dict.fromkeys(arrays, 0)}
     rows_delivered = max(len(delivered) - 1, 0)
     start = min(common_prefix_len(delivered, np.asarray(prompt, dtype=np.int64)), rows_delivered)
     return {ROUTES: start, **{name: min(start, rows.get(name, 0)) for name in arrays}}
@@ -117,6 +127,7 @@ class _Held:
 
     tokens: np.ndarray
     rows: dict[str, int] = field(default_factory=dict)
+    weights_version: str = ""  # (the digest of the weights the rows were computed with)
 
 
 class SessionStore:
@@ -140,22 +151,25 @@ class SessionStore:
     def total_tokens(self) -> int:
         return self._total
 
-    def start_for(self, session: str, prompt: Sequence[int]) -> int:
+    def start_for(self, session: str, prompt: Sequence[int], *, weights_version: str = "") -> int:
         """First route position this session's client lacks for ``prompt`` (0 for an unknown session)."""
-        return self.starts_for(session, prompt)[ROUTES]
+        return self.starts_for(session, prompt, weights_version=weights_version)[ROUTES]
 
-    def starts_for(self, session: str, prompt: Sequence[int], arrays: Collection[str] = ()) -> dict[str, int]:
+    def starts_for(self, session: str, prompt: Sequence[int], arrays: Collection[str] = (), *,
+                   weights_version: str = "") -> dict[str, int]:  # fmt: skip
         """Per array (the ids, ``ROUTES``, and each of ``arrays``), the first row this session's
         client lacks for ``prompt``: the ids' start is where the history differs or the delivered
-        rows end; another array's is never later, and earlier where the client's rows of it end."""
+        rows end; another array's is never later, and earlier where the client's rows of it end.
+        ``weights_version``: the digest of the weights this turn runs; a session recorded with others starts at 0."""
         with self._lock:
             held = self._tokens.get(session)
             if held is None:
                 return {ROUTES: 0, **dict.fromkeys(arrays, 0)}
             self._tokens.move_to_end(session)
-        return starts_from(held.tokens, held.rows, prompt, arrays)
+        return starts_from(held.tokens, held.rows, prompt, arrays, held.weights_version == weights_version)
 
-    def begin(self, session: str, prompt: Sequence[int], arrays: Collection[str] = (), *, turn: str) -> dict[str, int]:
+    def begin(self, session: str, prompt: Sequence[int], arrays: Collection[str] = (), *, turn: str,
+              weights_version: str = "") -> dict[str, int]:  # fmt: skip
         """``starts_for``, claiming the session for ``turn`` until ``delivered`` or ``release``;
         ``SessionBusyError`` while another turn holds it (for at most ``turn_lease`` seconds)."""
         now = time.monotonic()
@@ -164,7 +178,7 @@ class SessionStore:
             if held is not None and held[0] != turn and held[1] > now:
                 raise SessionBusyError(session, held[1] - now)
             self._turns[session] = (turn, now + self.turn_lease)
-        return self.starts_for(session, prompt, arrays)
+        return self.starts_for(session, prompt, arrays, weights_version=weights_version)
 
     def release(self, session: str, turn: str) -> None:
         """End ``turn``'s claim without advancing the session (the turn failed or was aborted)."""
@@ -174,12 +188,12 @@ class SessionStore:
 
     def delivered(
         self, session: str, tokens: Sequence[int], *, start: int = 0, arrays: Collection[str] = (),
-        turn: str | None = None,
+        turn: str | None = None, weights_version: str = "",
     ) -> None:  # fmt: skip
         """Record a finished turn: the client now holds the ids of ``tokens[:-1]`` (prompt + output),
         sent from ``start`` (the turn's ``routed_experts_start``), and the rows of each of ``arrays``
         as far; every other array it held keeps at most ``start`` rows (the client cuts there).
-        ``turn``: the claim ``begin`` made, ended here."""
+        ``turn``: the claim ``begin`` made, ended here; ``weights_version``: those the turn ran."""
         arr = np.asarray(tokens, dtype=np.int64)
         with self._lock:  # (state and claim change together: the next turn sees this one's state)
             if turn is not None:
@@ -193,7 +207,7 @@ class SessionStore:
             if len(arr) > self.max_tokens:  # cannot keep it: forgotten, so the next turn starts at 0
                 return
             kept = rows_after(None if old is None else old.rows, len(arr), start, arrays)
-            self._tokens[session] = _Held(arr, kept)
+            self._tokens[session] = _Held(arr, kept, weights_version)
             self._total += len(arr)
             while len(self._tokens) > self.max_sessions or self._total > self.max_tokens:
                 _, gone = self._tokens.popitem(last=False)

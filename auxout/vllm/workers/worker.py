@@ -35,6 +35,7 @@ from auxout.vllm.weight_sync import (
     install_load_digests,
     install_prepack_repair,
     load_on_worker,
+    load_path_on_worker,
 )
 from auxout.vllm.workers.async_output import RoutedAsyncOutput
 from auxout.vllm.workers.capture import RouteCapture, bind_capture
@@ -160,6 +161,15 @@ class AuxoutWorkerMixin:
         """Load checkpoint-named tensors in place (``auxout.vllm.update_weights`` calls it)."""
         self._auxout_settle()
         return load_on_worker(self, payload)
+
+    def auxout_load_weights_path(self, path: str) -> dict[str, Any]:
+        """Load a safetensors file or directory in place (``POST /auxout/update_weights``)."""
+        self._auxout_settle()
+        return load_path_on_worker(self, path)
+
+    def auxout_weights_version(self) -> str:
+        """The digest of the weights this worker runs (a route session's weights version)."""
+        return generation_digest(weights_digest(self.model_runner.get_model()), self._auxout_loaded)
 
     def auxout_repair_moe_prepack(self) -> int:
         """Fused-MoE layers whose reloads re-run the prepack (installed at load time)."""
