@@ -215,6 +215,10 @@ def router(version: WeightsVersion) -> Any:
         if not isinstance(path, str) or not path:
             return _error(400, f"weights_path must be a non-empty string (a safetensors file or a directory of "
                                f"them, on the server's machine), got {path!r:.200}", "weights_path")  # fmt: skip
+        servers = int(getattr(raw_request.app.state.args, "api_server_count", None) or 1)
+        if servers > 1:  # (the other API servers would neither hold their turns back nor see the change)
+            return _error(400, f"a weight sync over HTTP needs one API server, this replica runs {servers} "
+                               "(--api-server-count)", None)  # fmt: skip
         timeout = body.get("drain_timeout", DEFAULT_DRAIN_TIMEOUT)
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < float("inf"):
             return _error(400, f"drain_timeout must be a positive number of seconds, got {timeout!r:.80}",
