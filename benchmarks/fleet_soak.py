@@ -94,8 +94,6 @@ class Replica:
         self.starts = 0
 
     def start(self) -> None:
-        import httpx
-
         self.starts += 1
         log = self.logdir / f"{self.name}-{self.starts}.log"
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
@@ -107,13 +105,18 @@ class Replica:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise SystemExit(f"{self.name} exited ({self.proc.returncode}):\n{log.read_text()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
+            if self.up():
+                return
             time.sleep(1)
         raise SystemExit(f"{self.name} not ready in 600 s:\n{log.read_text()[-3000:]}")
+
+    def up(self) -> bool:
+        import httpx
+
+        try:
+            return httpx.get(self.url + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -228,12 +231,7 @@ def post_sync(replica: Replica, weights: str, log: Log) -> str:
     import httpx
 
     deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:  # (a replica restarting is synced when it is back)
-        try:
-            if httpx.get(replica.url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
+    while not replica.up() and time.monotonic() < deadline:  # (a replica restarting is synced when back)
         time.sleep(1)
     try:
         r = httpx.post(replica.url + "/auxout/update_weights", json={"weights_path": weights}, timeout=600)
