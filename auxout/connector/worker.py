@@ -442,7 +442,9 @@ class WorkerConnector:
         cur = np.where(fresh, ts, cur)
         gap = ts > cur
         cap = np.where(gap, cur, ts)  # re-attach rows of an optimistic schedule at the real cursor
-        broken = (ts < cur) | (fresh & (cap % bs != 0))
+        cap_off = cap % bs
+        has_head = cap_off != 0
+        broken = (ts < cur) | (fresh & has_head)
         if np.count_nonzero(gap):
             broken |= gap & (cur >= table.sched[slots])
         if np.count_nonzero(broken):
@@ -453,34 +455,33 @@ class WorkerConnector:
 
         # -- staging: continue open tails, pass full blocks through, open new tails ------------
         head_blk = cap // bs
-        has_head = cap % bs != 0
-        head_end = (head_blk + 1) * bs
-        head_done = has_head & (end >= head_end)
-        first_full = np.where(has_head, head_blk + 1, head_blk)
+        first_full = head_blk + has_head
         stop_full = end // bs
-        trail = (end % bs != 0) & (stop_full >= first_full)
-        old_tail = table.tail[slots]
-        if np.count_nonzero(has_head & (old_tail < 0)):
-            raise InvariantError("open tail block lost its staging pool block")
-        trail_idx = np.flatnonzero(trail)
-        new_tail = self.pool.alloc(len(trail_idx))
+        end_off = end % bs
         hidx = np.flatnonzero(has_head)
-        hcount = np.minimum(end[hidx], head_end[hidx]) - cap[hidx]
-        tcount = end[trail_idx] % bs
-        seg_src = np.concatenate([qs[hidx], qs[trail_idx] + (end[trail_idx] - tcount - cap[trail_idx])])
-        seg_cnt = np.concatenate([hcount, tcount])
-        seg_block = np.concatenate([old_tail[hidx], new_tail])  # (pool blocks)
-        seg_local = np.concatenate([cap[hidx] % bs, np.zeros(len(trail_idx), dtype=_I64)])
-        if len(seg_cnt):
-            seg, off = row_ranges(seg_src, seg_cnt)
+        trail_idx = np.flatnonzero((end_off != 0) & (stop_full >= first_full))
+        old_tail = table.tail[slots]
+        head_done = hidx  # indices of the open tails this step fills (none without a head)
+        if len(hidx) or len(trail_idx):  # (requests starting and ending on block boundaries stage nothing)
+            head_end = first_full[hidx] * bs
+            if np.count_nonzero(old_tail[hidx] < 0):
+                raise InvariantError("open tail block lost its staging pool block")
+            new_tail = self.pool.alloc(len(trail_idx))
+            hcount = np.minimum(end[hidx], head_end) - cap[hidx]
+            tcount = end_off[trail_idx]
+            seg_src = np.concatenate([qs[hidx], qs[trail_idx] + (end[trail_idx] - tcount - cap[trail_idx])])
+            seg_block = np.concatenate([old_tail[hidx], new_tail])  # (pool blocks)
+            seg_local = np.concatenate([cap_off[hidx], np.zeros(len(trail_idx), dtype=_I64)])
+            seg, off = row_ranges(seg_src, np.concatenate([hcount, tcount]))
             # row-wise copy through 2-D byte views: one gather + one scatter of whole token rows
             self.pool.token_rows[seg_block[seg] * bs + seg_local[seg] + off] = rows.reshape(len(rows), -1)[
                 seg_src[seg] + off
             ]
-        tail = old_tail.copy()
-        tail[head_done] = -1
-        tail[trail_idx] = new_tail
-        table.tail[slots] = tail
+            head_done = hidx[end[hidx] >= head_end]
+            tail = old_tail.copy()
+            tail[head_done] = -1
+            tail[trail_idx] = new_tail
+            table.tail[slots] = tail
 
         # -- publish complete keyed blocks (whole batch, before any read) ----------------------
         retain: list[str] = []
@@ -490,25 +491,36 @@ class WorkerConnector:
         objects = BlockObjects(nbytes=nbytes)
         pub_keys: list[str] = []  # filled pool blocks to publish, and their keys
         pub_blocks: list[int] = []
-        filled = np.flatnonzero(head_done)  # open tails this step filled
-        if len(filled):
+        if len(head_done):
             self._key_or_stage(
-                slots[filled].tolist(), head_blk[filled].tolist(), old_tail[filled].tolist(), pub_keys, pub_blocks
-            )
+                slots[head_done].tolist(), head_blk[head_done].tolist(), old_tail[head_done].tolist(),
+                pub_keys, pub_blocks,
+            )  # fmt: skip
         stage_views: list[tuple[int, int, int]] = []  # (request slot, block index, row start in `rows`)
         flat = rows.reshape(-1).view(np.uint8)
         todo = np.flatnonzero(stop_full > first_full)  # full blocks in this step's rows
         keys_of = table.keys
+        token_nbytes = self._token_nbytes
+        run_keys: list[str] = []  # keyed full blocks adjacent in `rows`: one zero-copy view of bytes [run0, run1)
+        run0 = run1 = 0
         for s, b0, b1, base in zip(
             slots[todo].tolist(), first_full[todo].tolist(), stop_full[todo].tolist(), (qs[todo] - cap[todo]).tolist()
         ):
             keys = keys_of[s]
             kb = min(b1, len(keys))
-            if kb > b0:  # keyed full blocks: a zero-copy view of this step's rows
-                byte0 = (base + b0 * bs) * self._token_nbytes
-                objects.add(keys[b0:kb], flat[byte0 : byte0 + (kb - b0) * nbytes].reshape(kb - b0, nbytes))
+            if kb > b0:
+                byte0 = (base + b0 * bs) * token_nbytes
+                if byte0 != run1 and run_keys:
+                    objects.add(run_keys, flat[run0:run1].reshape(-1, nbytes))
+                    run_keys = []
+                if not run_keys:
+                    run0 = byte0
+                run_keys += keys[b0:kb]
+                run1 = byte0 + (kb - b0) * nbytes
             for b in range(max(b0, kb), b1):
                 stage_views.append((s, b, base + b * bs))
+        if run_keys:
+            objects.add(run_keys, flat[run0:run1].reshape(-1, nbytes))
         if stage_views:
             dst = self.pool.alloc(len(stage_views))
             src = np.array([v[2] for v in stage_views], dtype=_I64)
@@ -520,11 +532,9 @@ class WorkerConnector:
         # -- emit from each request's own cursor -------------------------------------------------
         emit = table.emit[slots]
         do_emit = emit <= end  # rows are emitted as soon as they are captured (not only when sampling)
-        lo = np.full(len(slots), -1, dtype=_I64)
-        hi = np.full(len(slots), -1, dtype=_I64)
         fast = do_emit & (emit >= cap)
-        lo[fast] = qs[fast] + (emit[fast] - cap[fast])
-        hi[fast] = qs[fast] + kept[fast]
+        lo = np.where(fast, qs + (emit - cap), -1)
+        hi = np.where(fast, qs + kept, -1)
         table.emit[slots[do_emit]] = end[do_emit]
         errors: dict[str, str] = {}
         heads: dict[str, tuple[np.ndarray | StoreRows, int]] = {}
