@@ -365,6 +365,7 @@ def test_a_rolling_weight_sync_over_http(fleet, oracle, model_path, tmp_path):
     check(oracle, prompt + output, np.concatenate(rows), 0)  # all of it on the weights it began with
     new_version = synced.json()["weights_version"]
     assert new_version != old_version and version_of(fleet.a) == new_version and version_of(fleet.b) == old_version
+    assert httpx.get(fleet.a + "/weight_info", timeout=30).json()["weight_version"] == new_version  # (vLLM's own)
 
     # mid-sync: the same prompts on both replicas, each its own weights' routes, through one store
     changed = 0

@@ -21,7 +21,8 @@ turn straddles two versions:
    ``save_pretrained`` writes, in transformers' or the checkpoint's names), checks names and shapes
    against the checkpoint it loaded (400 before anything is touched) and loads them
    (:func:`auxout.vllm.weight_sync.load_path_on_worker`);
-4. the prefix cache is reset and the new version read; generation resumes, waiting turns go on.
+4. the prefix cache is reset and the new version read (and set as vLLM's own weight version, which
+   ``GET /weight_info`` returns); generation resumes, waiting turns go on.
 
 A reset done another way (vLLM's ``/reset_prefix_cache``, ``/collective_rpc``, ``/resume``,
 ``/wake_up``) marks the version unknown, and the next session turn reads it again; only the
@@ -135,6 +136,9 @@ class WeightsVersion:
                 if touched:
                     self.value = None
                     version = await self.current(engine)  # (session turns still wait for it)
+                    label = getattr(engine, "update_weight_version", None)
+                    if label is not None:  # (vLLM's own weight version, GET /weight_info, says the same)
+                        await label(version)
             if not reset:
                 raise SyncError(500, "the weights are loaded but vLLM refused to reset the prefix cache")
         finally:
