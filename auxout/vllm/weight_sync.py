@@ -270,18 +270,11 @@ def weights_from_path(path: str) -> dict[str, Any]:
 
 def load_path_on_worker(worker: Any, path: str) -> dict[str, Any]:
     """Load the weights of ``path`` (:func:`weights_from_path`) into a worker's model in place:
-    named and checked against the checkpoint the engine loaded as :func:`update_weights` does,
-    then :func:`load_on_worker`. A refusal, before the model is touched, comes back as
+    named and checked against the checkpoint the engine loaded (:func:`tensors_to_load`, as
+    :func:`update_weights` does), then :func:`load_on_worker`. A refusal, before the model is touched, comes back as
     ``{"error": message}`` (an RPC result the caller turns into a 400)."""
-    model_config = worker.vllm_config.model_config
     try:
-        tensors = checkpoint_named(weights_from_path(path), model_config.hf_config)
-        if not tensors:
-            raise WeightSyncError(f"weights_path {path!r}: no tensors")
-        expected = checkpoint_shapes(str(model_config.model))
-        if expected is not None:
-            tied = bool(getattr(model_config.hf_config, "tie_word_embeddings", False))
-            tensors = check_against_checkpoint(tensors, expected, tied)
+        tensors = tensors_to_load(weights_from_path(path), worker.vllm_config.model_config, what=f"weights_path {path!r}")
     except WeightSyncError as exc:
         return {"error": str(exc)}
     return dict(load_on_worker(worker, list(tensors.items())))
@@ -328,8 +321,22 @@ def _check_auxout_workers(engine: Any, what: str) -> None:
         )
 
 
-def _hf_config(engine: Any) -> Any:
-    return engine.model_config.hf_config
+def tensors_to_load(
+    weights: Mapping[str, Any] | Iterable[tuple[str, Any]], model_config: Any, hf_model: Any = None,
+    what: str = "weights",
+) -> dict[str, Any]:
+    """``weights`` under checkpoint names (:func:`checkpoint_named`), checked against the local
+    checkpoint of ``model_config`` (:func:`check_against_checkpoint`): what a sync loads, decided
+    before the engine is touched. ``what`` names the weights in a refusal."""
+    config = model_config.hf_config
+    tensors = checkpoint_named(weights, config, hf_model)
+    if not tensors:
+        raise WeightSyncError(f"{what}: empty, nothing to load")
+    expected = checkpoint_shapes(str(model_config.model))
+    if expected is not None:
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        tensors = check_against_checkpoint(tensors, expected, tied)
+    return tensors
 
 
 _META_MODELS: dict[int, tuple[weakref.ref[Any], Any]] = {}  # id(config) -> (config, meta model)
@@ -487,14 +494,7 @@ def update_weights(
     """
     start = time.perf_counter()
     engine, worker = _engine_parts(llm)
-    config = _hf_config(engine)
-    tensors = checkpoint_named(weights, config, hf_model)
-    if not tensors:
-        raise WeightSyncError("weights: empty, nothing to load")
-    expected = checkpoint_shapes(str(engine.model_config.model))
-    if expected is not None:
-        tied = bool(getattr(config, "tie_word_embeddings", False))
-        tensors = check_against_checkpoint(tensors, expected, tied)
+    tensors = tensors_to_load(weights, engine.model_config, hf_model)
     if worker is not None:  # in process: the tensors as they are, no copy
         payload: Any = list(tensors.items())
         if hasattr(worker, WORKER_METHOD):

@@ -53,18 +53,14 @@ class WeightsVersion:
 
     def __init__(self) -> None:
         self.value: str | None = None  # (None: unknown, read at the next session turn)
-        self._reading: asyncio.Lock | None = None
-        self._turns = 0
-        self._idle: asyncio.Event | None = None  # set while no session turn is in flight
-        self._open: asyncio.Event | None = None  # set while no sync runs
         self.syncs = 0
-
-    def _events(self) -> tuple[asyncio.Event, asyncio.Event, asyncio.Lock]:
-        if self._idle is None or self._open is None or self._reading is None:  # (made on the server's loop)
-            self._idle, self._open, self._reading = asyncio.Event(), asyncio.Event(), asyncio.Lock()
-            self._idle.set()
-            self._open.set()
-        return self._idle, self._open, self._reading
+        self._turns = 0
+        # (asyncio binds these to the server's loop when first waited on, not here)
+        self._reading = asyncio.Lock()
+        self._idle = asyncio.Event()  # set while no session turn is in flight
+        self._open = asyncio.Event()  # set while no sync runs
+        self._idle.set()
+        self._open.set()
 
     def mark_unknown(self) -> None:
         self.value = None
@@ -72,8 +68,7 @@ class WeightsVersion:
     async def current(self, engine: Any) -> str:
         """The version, read from the workers when unknown ("" if they cannot say: sessions then
         follow no version, as before any sync)."""
-        _, _, reading = self._events()
-        async with reading:
+        async with self._reading:
             if self.value is None:
                 try:
                     digests = await engine.collective_rpc(VERSION_METHOD)
@@ -85,11 +80,10 @@ class WeightsVersion:
 
     async def enter_turn(self, engine: Any) -> str:
         """Start a session turn (after any sync in progress) and return the version it runs."""
-        idle, opened, _ = self._events()
-        while not opened.is_set():
-            await opened.wait()
+        while not self._open.is_set():
+            await self._open.wait()
         self._turns += 1
-        idle.clear()
+        self._idle.clear()
         try:
             return await self.current(engine)
         except BaseException:
@@ -97,22 +91,20 @@ class WeightsVersion:
             raise
 
     def leave_turn(self) -> None:
-        idle, _, _ = self._events()
         self._turns -= 1
         if self._turns == 0:
-            idle.set()
+            self._idle.set()
 
     async def sync(self, engine: Any, weights_path: str, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT) -> dict[str, Any]:
         """Load ``weights_path`` into every worker with no turn straddling it (module docstring);
         returns the new version with what was loaded. ``SyncError`` (with its HTTP status) else."""
-        idle, opened, _ = self._events()
-        if not opened.is_set():
+        if not self._open.is_set():
             raise SyncError(409, "another weight sync of this server is in progress")
         began = time.perf_counter()
-        opened.clear()
+        self._open.clear()
         try:
             try:
-                await asyncio.wait_for(idle.wait(), drain_timeout)
+                await asyncio.wait_for(self._idle.wait(), drain_timeout)
             except TimeoutError:
                 raise SyncError(503, f"{self._turns} route session turn(s) still in flight after {drain_timeout:g} s "
                                      "(drain_timeout): nothing was loaded; retry") from None  # fmt: skip
@@ -142,7 +134,7 @@ class WeightsVersion:
             if not reset:
                 raise SyncError(500, "the weights are loaded but vLLM refused to reset the prefix cache")
         finally:
-            opened.set()
+            self._open.set()
         self.syncs += 1
         first = results[0]
         return {
