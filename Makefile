@@ -30,7 +30,7 @@ test-slow: install
 	$(PY) -m pytest -q -m slow
 
 lint: install
-	$(VENV)/bin/ruff check auxout tests benchmarks
+	$(VENV)/bin/ruff check auxout tests benchmarks scripts
 	$(VENV)/bin/mypy
 
 # long property run (>= 10,000 random schedules); result recorded in docs/testing.md

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
+from toggle_overhead import bootstrap_median_ci
 
 from auxout.connector.held_rows import HeldRows
 from auxout.connector.messages import StepOutput
@@ -751,10 +752,12 @@ def report(wl: Workload, res: dict[str, Measured]) -> list[tuple[str, bool]]:
 
 
 def _paired(x: Measured, base: Measured) -> str:
-    """Median and range of the per-repeat ratios: each repeat runs both back to back, so a slow
-    phase of a shared machine (seen as 2x swings of absolute times within one run) hits both."""
+    """Median, 95% bootstrap interval and range of the per-repeat ratios: each repeat runs both
+    back to back, so a slow phase of a shared machine (seen as 2x swings of absolute times within
+    one run) hits both."""
     r = sorted(a / b for a, b in zip(x.times, base.times))
-    return f"{statistics.median(r):.3f} [{r[0]:.3f}..{r[-1]:.3f}]"
+    lo, hi = bootstrap_median_ci(r)
+    return f"{statistics.median(r):.3f} [95% CI {lo:.3f}..{hi:.3f}; range {r[0]:.3f}..{r[-1]:.3f}]"
 
 
 def load_vllm() -> dict[str, Any] | None:

@@ -152,8 +152,8 @@ def main() -> int:
     assert torch.cuda.is_available(), "this check needs a CUDA GPU"
     from routes_oracle import Oracle
 
-    from auxout.vllm.engine_core.async_scheduler import AuxoutAsyncScheduler
     from auxout.testing.models import build_tiny_moe
+    from auxout.vllm.engine_core.async_scheduler import AuxoutAsyncScheduler
 
     path = build_tiny_moe("qwen3_moe")
     oracle = Oracle(path)
