@@ -244,9 +244,12 @@ def drop_null_fields(body: object) -> bool:
     return dropped
 
 
+_ERROR_TYPES = {400: "BadRequestError", 409: "ConflictError", 503: "ServiceUnavailableError"}
+
+
 def error_body(message: str, param: str | None, code: int = 400) -> bytes:
     """vLLM's (OpenAI's) error JSON."""
-    kind = "BadRequestError" if code == 400 else "InternalServerError"
+    kind = _ERROR_TYPES.get(code, "InternalServerError")
     return json.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}}).encode()
 
 

@@ -37,6 +37,8 @@ import logging
 import time
 from typing import Any
 
+from auxout.vllm.server.body_checks import error_body
+
 logger = logging.getLogger("vllm.auxout")
 
 VERSION_METHOD = "auxout_weights_version"
@@ -236,10 +238,9 @@ def router(version: WeightsVersion) -> Any:
 
 
 def _error(status: int, message: str, param: str | None) -> Any:
-    from fastapi.responses import JSONResponse
+    from fastapi.responses import Response
 
-    kind = {400: "BadRequestError", 409: "ConflictError", 503: "ServiceUnavailableError"}.get(status, "InternalServerError")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status_code=status)
+    return Response(error_body(message, param, status), status_code=status, media_type="application/json")
 
 
 def _add_router(version: WeightsVersion) -> None:
