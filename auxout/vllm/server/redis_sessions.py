@@ -36,7 +36,13 @@ from typing import Any
 import numpy as np
 
 from auxout.credentials import redact, resolve_credentials
-from auxout.vllm.server.sessions import DEFAULT_TURN_LEASE, ROUTES, SessionBusyError, rows_after, starts_from
+from auxout.vllm.server.sessions import (
+    DEFAULT_TURN_LEASE,
+    SessionBusyError,
+    from_zero,
+    rows_after,
+    starts_from,
+)
 
 DEFAULT_TTL = 3600.0
 """Seconds a session lives after its last turn (an idle conversation then starts again at 0)."""
@@ -191,7 +197,7 @@ class RedisSessionStore:
         """Per array, the first row this session's client lacks for ``prompt`` (no claim)."""
         tok, rows, wv = self._call("read a session", self._client.hmget, self._key(session), "tok", "rows", "wv")
         if tok is None:
-            return {ROUTES: 0, **dict.fromkeys(arrays, 0)}
+            return from_zero(arrays)
         tokens, held = self._state(tok, rows or b"")
         return starts_from(tokens, held, prompt, arrays, (wv or b"").decode() == weights_version)
 
@@ -208,7 +214,7 @@ class RedisSessionStore:
         with self._lock:
             self._seen[turn] = {"ver": ver, "rows": held}
         if not tok:
-            return {ROUTES: 0, **dict.fromkeys(arrays, 0)}
+            return from_zero(arrays)
         return starts_from(tokens, held, prompt, arrays, (wv or b"").decode() == weights_version)
 
     def release(self, session: str, turn: str) -> None:

@@ -62,7 +62,7 @@ from auxout.vllm.fields import (
 )
 from auxout.vllm.options import SHARED_STORES, VllmOptions
 from auxout.vllm.server.redis_sessions import SessionStoreError
-from auxout.vllm.server.sessions import RouteSessions, SessionBusyError, SessionStore
+from auxout.vllm.server.sessions import RouteSessions, SessionBusyError, SessionStore, from_zero
 from auxout.vllm.server.weights_version import WeightsVersion
 from auxout.wire import DEFAULT_FORMAT, FORMATS, encode
 
@@ -298,7 +298,7 @@ class RouteResponder:
             raise GracefulHTTPError(str(exc), HTTPStatus.CONFLICT) from None
         except SessionStoreError as exc:
             logger.warning("auxout: %s; this turn of routed_experts_session %r sends the whole history", exc, session)
-            return {ROUTES: 0, **dict.fromkeys(arrays, 0)}, None
+            return from_zero(arrays), None
         return starts, turn
 
     async def _session_call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:

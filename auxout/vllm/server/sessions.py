@@ -98,6 +98,11 @@ class RouteSessions(Protocol):
     def forget(self, session: str) -> None: ...
 
 
+def from_zero(arrays: Collection[str]) -> dict[str, int]:
+    """Every array's start at row 0: the turn sends the whole history."""
+    return {ROUTES: 0, **dict.fromkeys(arrays, 0)}
+
+
 def starts_from(delivered: np.ndarray, rows: Mapping[str, int], prompt: Sequence[int],
                 arrays: Collection[str], same_weights: bool = True) -> dict[str, int]:  # fmt: skip
     """Per array, the first row a client holding ``delivered`` (and ``rows`` of other arrays) lacks
@@ -105,7 +110,7 @@ def starts_from(delivered: np.ndarray, rows: Mapping[str, int], prompt: Sequence
     never later, and earlier where the client's rows of it end. Rows of other weights
     (``same_weights`` false) are none of the turn's: every array starts at 0."""
     if not same_weights:
-        return {ROUTES: 0, **dict.fromkeys(arrays, 0)}
+        return from_zero(arrays)
     rows_delivered = max(len(delivered) - 1, 0)
     start = min(common_prefix_len(delivered, np.asarray(prompt, dtype=np.int64)), rows_delivered)
     return {ROUTES: start, **{name: min(start, rows.get(name, 0)) for name in arrays}}
@@ -164,7 +169,7 @@ class SessionStore:
         with self._lock:
             held = self._tokens.get(session)
             if held is None:
-                return {ROUTES: 0, **dict.fromkeys(arrays, 0)}
+                return from_zero(arrays)
             self._tokens.move_to_end(session)
         return starts_from(held.tokens, held.rows, prompt, arrays, held.weights_version == weights_version)
 
