@@ -27,9 +27,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -40,9 +37,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from soak import RouteChecker, free_port, pct, rss_bytes
+from soak import RouteChecker, pct, rss_bytes
 
-from auxout.testing.servers import redis_server
+from auxout.testing.servers import HttpServer, free_port, redis_server, vllm_router_server
 from auxout.vllm.server.sessions import common_prefix_len
 from auxout.wire import decode_routes
 
@@ -82,54 +79,14 @@ class Log:
         print(f"  [{self.now():6.1f} s] {name}", flush=True)
 
 
-class Replica:
-    """One ``auxout serve`` in its own process group (killed whole, as a lost machine)."""
-
-    def __init__(self, name: str, path: str, args: list[str], logdir: Path, cpu: int) -> None:
-        self.name, self.path, self.args, self.logdir = name, path, args, logdir
-        self.cpu = cpu  # (each replica's OMP threads on their own core, as one replica per machine)
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen | None = None
-        self.starts = 0
-
-    def start(self) -> None:
-        self.starts += 1
-        log = self.logdir / f"{self.name}-{self.starts}.log"
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-               "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(self.cpu)}  # fmt: skip
-        cmd = [sys.executable, "-m", "auxout.cli", "serve", self.path, "--port", str(self.port), *self.args]
-        with open(log, "wb") as fh:
-            self.proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"{self.name} exited ({self.proc.returncode}):\n{log.read_text()[-3000:]}")
-            if self.up():
-                return
-            time.sleep(1)
-        raise SystemExit(f"{self.name} not ready in 600 s:\n{log.read_text()[-3000:]}")
-
-    def up(self) -> bool:
-        import httpx
-
-        try:
-            return httpx.get(self.url + "/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.kill()
+def make_replica(name: str, path: str, args: list[str], logdir: Path, cpu: int) -> HttpServer:
+    """One ``auxout serve``, its OMP threads on core ``cpu`` (as one replica per machine), with vLLM's
+    dev-mode endpoints (``/auxout/update_weights``)."""
+    port = free_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+           "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(cpu)}  # fmt: skip
+    argv = [sys.executable, "-m", "auxout.cli", "serve", path, "--port", str(port), *args]
+    return HttpServer(argv=argv, port=port, log_path=str(logdir / f"{name}.log"), env=env, name=name)
 
 
 def changed_weights(path: str, out: Path, seed: int) -> str:
@@ -226,12 +183,12 @@ def check(log: Log, checkers: list[tuple[str, RouteChecker]], tokens: list[int],
             log.wrong_detail.append(f"{what} ({len(tokens)} tokens): " + "; ".join(details))
 
 
-def post_sync(replica: Replica, weights: str, log: Log) -> str:
+def post_sync(replica: HttpServer, weights: str, log: Log) -> str:
     """``POST /auxout/update_weights`` to ``replica`` once it is up; its new weights version."""
     import httpx
 
     deadline = time.monotonic() + 600
-    while not replica.up() and time.monotonic() < deadline:  # (a replica restarting is synced when back)
+    while not replica.healthy() and time.monotonic() < deadline:  # (a replica restarting is synced when back)
         time.sleep(1)
     try:
         r = httpx.post(replica.url + "/auxout/update_weights", json={"weights_path": weights}, timeout=600)
@@ -270,25 +227,21 @@ def main() -> int:
             "--auxout-session-store", "redis", "--auxout-session-lease", str(args.session_lease),
         ]  # fmt: skip
         cpus = os.cpu_count() or 1
-        replicas = [Replica(name, path, common, logdir, i % cpus) for i, name in enumerate(("replica-a", "replica-b"))]
+        replicas = [make_replica(name, path, common, logdir, i % cpus) for i, name in enumerate(("replica-a", "replica-b"))]
         starters = [threading.Thread(target=r.start) for r in replicas]
         for t in starters:
             t.start()
         for t in starters:
             t.join()
-        binary = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
-        router_port = free_port()
-        with open(logdir / "router.log", "wb") as fh:
-            router = subprocess.Popen([binary, "--host", "127.0.0.1", "--port", str(router_port), "--policy",
-                                       "round_robin", "--worker-urls", *(r.url for r in replicas),
-                                       "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
-                                      stdout=fh, stderr=subprocess.STDOUT)  # fmt: skip
-        time.sleep(3)
-        print(f"fleet: {[r.url for r in replicas]} behind http://127.0.0.1:{router_port}, logs {logdir}")
+        router = vllm_router_server(["--policy", "round_robin", "--worker-urls", *(r.url for r in replicas),
+                                     "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
+                                    str(logdir / "router.log"))  # fmt: skip
+        router.start()
+        print(f"fleet: {[r.url for r in replicas]} behind {router.url}, logs {logdir}")
         log.t0 = time.monotonic()
         stop_at = log.t0 + args.duration
-        clients = [threading.Thread(target=client_loop, args=(c, f"http://127.0.0.1:{router_port}", stop_at, checkers,
-                                                              log, args.seed), daemon=True)
+        clients = [threading.Thread(target=client_loop, args=(c, router.url, stop_at, checkers, log, args.seed),
+                                    daemon=True)
                    for c in range(args.clients)]  # fmt: skip
         for t in clients:
             t.start()
@@ -324,7 +277,7 @@ def main() -> int:
             for t in clients:
                 t.join(330)
         finally:
-            router.terminate()
+            router.stop()
             for r in replicas:
                 r.stop()
     return report(log, rss, args.duration)

@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from auxout.testing.servers import free_port
 from auxout.wire import decode_routes
 
 
@@ -196,14 +197,6 @@ def _swap_gap(logits: Any, got: np.ndarray, want: np.ndarray) -> float:
     kth = torch.topk(logits, len(want)).values[-1]
     swapped = sorted(set(got.tolist()) ^ set(want.tolist()))
     return float((logits[swapped] - kth).abs().max())
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_server(cmd: list[str], log: Path, port: int) -> subprocess.Popen:

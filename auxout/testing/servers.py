@@ -1,4 +1,5 @@
-"""Start and stop real store servers on loopback free ports, for tests and benchmarks.
+"""Start and stop real servers on loopback free ports, for tests and benchmarks: the stores, and
+(``HttpServer``) ``auxout serve`` replicas and ``vllm-router`` for the fleet soak.
 
 Real servers, not mocks: the Redis and Mooncake backends are only trusted when they ran against
 the real daemons. Every server binds 127.0.0.1 (Mooncake also listens on 0.0.0.0 for some
@@ -24,11 +25,13 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import quote
 
 LOOPBACK = "127.0.0.1"
@@ -88,6 +91,10 @@ class _Server:
     log_path: str
     ready_timeout: float = 20.0
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    env: dict[str, str] | None = field(default=None, repr=False)  # (None: this process's environment)
+    poll_s: float = 0.05  # between readiness checks
+    stop_grace: float = 2.0  # seconds from SIGTERM to SIGKILL
+    name: str = ""  # in errors (default: the binary)
 
     def _ready(self) -> bool:
         return _port_open(self.port)
@@ -98,21 +105,23 @@ class _Server:
             self.proc = subprocess.Popen(
                 self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
                 preexec_fn=_die_with_parent if threading.current_thread() is threading.main_thread() else None,
+                env=self.env,
             )
         finally:
             log.close()
+        name = self.name or self.argv[0]
         deadline = time.monotonic() + self.ready_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.argv[0]} exited with {self.proc.returncode}: {self.log_tail()}")
+                raise RuntimeError(f"{name} exited with {self.proc.returncode}: {self.log_tail()}")
             if self._ready():
                 return
-            time.sleep(0.05)
-        _stop(self.proc)
-        raise RuntimeError(f"{self.argv[0]} not ready on port {self.port} after {self.ready_timeout}s: {self.log_tail()}")
+            time.sleep(self.poll_s)
+        _stop(self.proc, self.stop_grace)
+        raise RuntimeError(f"{name} not ready on port {self.port} after {self.ready_timeout}s: {self.log_tail()}")
 
     def stop(self) -> None:
-        _stop(self.proc)
+        _stop(self.proc, self.stop_grace)
 
     def kill(self) -> None:
         """SIGKILL the daemon (crash simulation); ``start()`` brings it back on the same ports."""
@@ -143,6 +152,38 @@ class RedisServer(_Server):
     def auth_url(self) -> str:
         """The server's URL with its password (``url`` when it has none)."""
         return self.url if self.password is None else f"redis://:{quote(self.password, safe='')}@{LOOPBACK}:{self.port}"
+
+
+@dataclass
+class HttpServer(_Server):
+    """An HTTP server on 127.0.0.1 (``auxout serve``, ``vllm-router``) in its own process group
+    (``kill`` takes it whole, as a lost machine); ready when ``GET /health`` answers 200.
+
+    Its own session is also its own CPU share where the kernel schedules sessions as autogroups
+    (``/proc/sys/kernel/sched_autogroup_enabled``): replicas sharing one machine compete as
+    machines would. The vLLM tests start ``auxout serve`` in the test's own session instead: in
+    sessions of their own the fleet tests ran about 20% slower on a 2-core machine, and their
+    concurrent-turn race lost its margin.
+    """
+
+    ready_timeout: float = 600.0
+    poll_s: float = 1.0
+    stop_grace: float = 30.0
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}"
+
+    def healthy(self) -> bool:
+        import httpx
+
+        try:
+            return httpx.get(self.url + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _ready(self) -> bool:
+        return self.healthy()
 
 
 @dataclass
@@ -213,6 +254,14 @@ def mooncake_master(port: int | None = None, *, lease_ttl_ms: int = 10_000) -> I
             yield srv
         finally:
             srv.stop()
+
+
+def vllm_router_server(args: Sequence[str], log_path: str, *, ready_timeout: float = 120) -> HttpServer:
+    """``vllm-router`` on a free port with ``args`` (workers and policy, or P/D mode); not started."""
+    binary = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
+    port = free_port()
+    return HttpServer(argv=[binary, "--host", LOOPBACK, "--port", str(port), *args], port=port, log_path=log_path,
+                      ready_timeout=ready_timeout, poll_s=0.5, stop_grace=10, name="vllm-router")  # fmt: skip
 
 
 def pause(server: _Server) -> None:
